@@ -1,0 +1,1 @@
+"""Engine: requests, scheduling over the paged KV cache, the step loop, sampling, tokenizer."""

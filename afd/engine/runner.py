@@ -1,0 +1,37 @@
+"""Model runner: one forward of a flat batch over the paged KV cache, logits of each sequence's last token."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from afd.config import CacheConfig
+from afd.kvcache import PagedKVCache, SeqChunk, build_attention_metadata
+from afd.models.base import MoEModel, Observer
+
+
+class ModelRunner:
+    """Owns the model and its KV cache on one device. The monolithic reference executor."""
+
+    def __init__(self, model: MoEModel, cache: CacheConfig, device: str | torch.device = "cpu") -> None:
+        self.model = model
+        self.cache_config = cache
+        self.device = torch.device(device)
+        dtype = model.model.embed_tokens.weight.dtype
+        self.kv_cache = PagedKVCache(cache, model.config.num_layers, model.kv_layout(), dtype, self.device)
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        token_ids: Sequence[int],
+        chunks: Sequence[SeqChunk],
+        observer: Observer | None = None,
+    ) -> torch.Tensor:
+        """token_ids: the chunks' new tokens, concatenated in chunk order. Returns logits [S, V] fp32."""
+        meta = build_attention_metadata(chunks, self.cache_config.block_size, self.device)
+        if len(token_ids) != meta.num_tokens:
+            raise ValueError(f"{len(token_ids)} token ids for chunks holding {meta.num_tokens} tokens")
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, meta, self.kv_cache, observer)
+        return self.model.head(hidden[meta.last_token])

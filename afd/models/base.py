@@ -1,0 +1,228 @@
+"""The split-aware MoE decoder shared by every family.
+
+A model exposes its halves -- ``embed``, ``attention``, ``router``, ``experts``,
+``shared_experts``, ``dense_mlp``, ``head`` -- and :meth:`MoEModel.forward`
+composes them into the monolithic forward, the reference every disaggregated
+mode is compared with. Communication never hides in here: a disaggregated
+runtime calls the same halves on different processes.
+
+Module and parameter names follow the Hugging Face checkpoints
+(``model.layers.{i}.self_attn...``) so loading is a name lookup; routed experts
+are stacked per layer (``mlp.experts.gate_up_proj [E_local, 2I, H]``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from afd.config import ModelConfig, MoEConfig
+from afd.kvcache import AttentionMetadata, PagedKVCache
+from afd.models.layers import GatedMLP, GroupedExperts, RMSNorm, RotaryEmbedding
+from afd.types import AttentionOutput, Routing
+
+#: ``observer(layer, boundary, tensor)``; boundaries: layer_input, attn_output,
+#: topk_ids, ffn_output, final_hidden (layer = num_layers for final_hidden).
+Observer = Callable[[int, str, torch.Tensor], None]
+
+
+class MissingWeightsError(RuntimeError):
+    """A half was called on a process that did not load its weights (role-aware loading)."""
+
+
+class Router(nn.Module):
+    """Softmax gate with greedy or group-limited top-k.
+
+    DeepSeek semantics: with ``norm_topk_prob`` (and k > 1) the top-k weights are
+    normalised, otherwise multiplied by ``routed_scaling_factor``.
+    """
+
+    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        dtype = torch.float32 if moe.router_fp32 else None
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=dtype))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> router logits [T, E] (fp32 for DeepSeek, model dtype for Qwen)."""
+        if self.moe.router_fp32:
+            return F.linear(x.float(), self.weight.float())
+        return F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        moe = self.moe
+        scores = self.logits(x).softmax(dim=-1, dtype=torch.float32)  # [T, E]
+        if moe.topk_method == "group_limited_greedy":
+            per_group = moe.num_experts // moe.num_groups
+            group_scores = scores.view(-1, moe.num_groups, per_group).max(dim=-1).values  # [T, G]
+            top_groups = group_scores.topk(moe.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+            scores = scores.masked_fill(~keep.repeat_interleave(per_group, dim=1), 0.0)
+        weights, ids = scores.topk(moe.top_k, dim=-1)  # [T, k], sorted by score
+        if moe.norm_topk_prob and moe.top_k > 1:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        else:
+            weights = weights * moe.routed_scaling_factor
+        return Routing(topk_ids=ids, topk_weights=weights)
+
+
+class MoEBlock(nn.Module):
+    """The FFN half of an MoE layer: router, the held routed experts, shared experts."""
+
+    def __init__(self, config: ModelConfig, expert_ids: Sequence[int]) -> None:
+        super().__init__()
+        moe = config.moe
+        self.gate = Router(config.hidden_size, moe)
+        self.experts = GroupedExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, expert_ids)
+        self.shared_experts = (
+            GatedMLP(config.hidden_size, moe.shared_intermediate_size) if moe.num_shared_experts else None
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MoEModel(nn.Module):
+    """Base of every family. Subclasses provide the attention module and the KV layout."""
+
+    def __init__(self, config: ModelConfig, expert_ids: Sequence[int] | None = None) -> None:
+        super().__init__()
+        self.config = config
+        held = range(config.moe.num_experts) if expert_ids is None else expert_ids
+        layers = []
+        for i in range(config.num_layers):
+            mlp = MoEBlock(config, held) if config.is_moe_layer(i) else GatedMLP(config.hidden_size, config.intermediate_size)
+            layers.append(DecoderLayer(config, self.make_attention(i), mlp))
+        self.model = Backbone(config, layers)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.rope)
+
+    # ------------------------------------------------------------------ family hooks
+    def make_attention(self, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+    def kv_layout(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of what one token caches per layer."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def expert_ids(self) -> tuple[int, ...]:
+        """Logical ids of the routed experts this instance holds."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoEBlock):
+                return layer.mlp.experts.expert_ids
+        return ()
+
+    def _check_loaded(self, tensor: torch.Tensor, what: str) -> None:
+        if tensor.is_meta:
+            raise MissingWeightsError(
+                f"{what} weights were not loaded on this process (role-aware loading); "
+                "load them with a WeightSelection that includes them"
+            )
+
+    def _moe(self, layer: int) -> MoEBlock:
+        mlp = self.model.layers[layer].mlp
+        if not isinstance(mlp, MoEBlock):
+            raise ValueError(f"layer {layer} is a dense layer, not an MoE layer")
+        return mlp
+
+    # ------------------------------------------------------------------ halves
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> hidden [T, H]."""
+        self._check_loaded(self.model.embed_tokens.weight, "embedding")
+        return self.model.embed_tokens(input_ids)
+
+    def attention(self, layer: int, hidden: torch.Tensor, meta: AttentionMetadata, kv: tuple[torch.Tensor, ...]) -> AttentionOutput:
+        """Attention half of ``layer``: norm -> attention over the paged cache -> residual -> norm.
+
+        hidden [T, H]; writes this batch's KV into ``kv`` (the layer's cache tensors).
+        """
+        block = self.model.layers[layer]
+        self._check_loaded(block.input_layernorm.weight, "attention")
+        cos, sin = self.rotary.cos_sin(meta.positions)
+        attn = block.self_attn(block.input_layernorm(hidden), self.rotary, cos, sin, kv, meta)
+        residual = hidden + attn
+        return AttentionOutput(residual, block.post_attention_layernorm(residual))
+
+    def router(self, layer: int, ffn_input: torch.Tensor) -> Routing:
+        gate = self._moe(layer).gate
+        self._check_loaded(gate.weight, "router")
+        return gate(ffn_input)
+
+    def experts(self, layer: int, ffn_input: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Weighted sum over the routed experts held here. [T, H] -> [T, H]."""
+        experts = self._moe(layer).experts
+        self._check_loaded(experts.gate_up_proj, "routed expert")
+        return experts(ffn_input, routing.topk_ids, routing.topk_weights)
+
+    def shared_experts(self, layer: int, ffn_input: torch.Tensor) -> torch.Tensor | None:
+        shared = self._moe(layer).shared_experts
+        if shared is None:
+            return None
+        self._check_loaded(shared.gate_proj.weight, "shared expert")
+        return shared(ffn_input)
+
+    def dense_mlp(self, layer: int, ffn_input: torch.Tensor) -> torch.Tensor:
+        mlp = self.model.layers[layer].mlp
+        if isinstance(mlp, MoEBlock):
+            raise ValueError(f"layer {layer} is an MoE layer, not a dense layer")
+        self._check_loaded(mlp.gate_proj.weight, "dense MLP")
+        return mlp(ffn_input)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: hidden [N, H] -> logits [N, V] in fp32."""
+        self._check_loaded(self.lm_head.weight, "LM head")
+        return self.lm_head(self.model.norm(hidden)).float()
+
+    # ------------------------------------------------------------------ monolithic
+    def ffn(self, layer: int, ffn_input: torch.Tensor, observer: Observer | None = None) -> torch.Tensor:
+        """The whole FFN half of a layer on one process: routed + shared experts, or the dense MLP."""
+        if not self.config.is_moe_layer(layer):
+            return self.dense_mlp(layer, ffn_input)
+        routing = self.router(layer, ffn_input)
+        if observer is not None:
+            observer(layer, "topk_ids", routing.topk_ids)
+        out = self.experts(layer, ffn_input, routing)
+        shared = self.shared_experts(layer, ffn_input)
+        return out if shared is None else out + shared
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: PagedKVCache,
+        observer: Observer | None = None,
+    ) -> torch.Tensor:
+        """Monolithic forward of a flat batch. input_ids [T] -> last hidden state [T, H] (before the final norm)."""
+        hidden = self.embed(input_ids)
+        for i in range(self.config.num_layers):
+            if observer is not None:
+                observer(i, "layer_input", hidden)
+            out = self.attention(i, hidden, meta, kv_cache.layer(i))
+            if observer is not None:
+                observer(i, "attn_output", out.residual)
+            hidden = out.residual + self.ffn(i, out.ffn_input, observer)
+            if observer is not None:
+                observer(i, "ffn_output", hidden)
+        if observer is not None:
+            observer(self.config.num_layers, "final_hidden", self.model.norm(hidden))
+        return hidden

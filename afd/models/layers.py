@@ -1,0 +1,152 @@
+"""Building blocks shared by the model families: norms, RoPE, MLPs, grouped experts.
+
+Plain single-device PyTorch. Nothing here keeps per-batch state: rotary
+cos/sin are computed from each call's positions, never cached in a buffer that
+a later micro-batch could overwrite.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from afd.config import RopeConfig, yarn_mscale
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in fp32, scaled in the input dtype (the Hugging Face convention)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)). Used for dense layers and shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RotaryEmbedding:
+    """Rotary embedding frequencies (default or YaRN). Holds constants only."""
+
+    def __init__(self, rope: RopeConfig) -> None:
+        self.interleaved = rope.interleaved
+        inv_freq, self.attention_factor = _inv_freq(rope)
+        self.inv_freq = inv_freq  # [dim/2] fp32, on CPU; moved per call
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int -> (cos, sin), each [T, dim/2] fp32."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, dim] -> rotated x, computed in fp32, returned in x's dtype."""
+        x32 = x.float()
+        c, s = cos[:, None, :], sin[:, None, :]
+        if self.interleaved:  # pairs (x0, x1), (x2, x3), ... as complex numbers
+            x0, x1 = x32[..., 0::2], x32[..., 1::2]
+            out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+        else:  # halves: rotate_half convention
+            half = x32.shape[-1] // 2
+            x0, x1 = x32[..., :half], x32[..., half:]
+            out = torch.cat((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1)
+        return out.to(x.dtype)
+
+
+def _inv_freq(rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    dim, base = rope.dim, rope.theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    if rope.type == "default":
+        return 1.0 / pos_freqs, 1.0
+    # YaRN: blend interpolated and extrapolated frequencies over a ramp of dimensions.
+    factor = rope.factor
+    if rope.attention_factor is not None:
+        attention_factor = float(rope.attention_factor)
+    elif rope.mscale and rope.mscale_all_dim:
+        attention_factor = yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim)
+    else:
+        attention_factor = yarn_mscale(factor)
+    orig = rope.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attention_factor
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts a process holds, stacked: one GEMM pair per expert over its tokens.
+
+    ``expert_ids`` are the logical ids held here (any subset of ``range(num_experts)``).
+    Weights: ``gate_up_proj [E_local, 2I, H]`` (gate rows first) and ``down_proj [E_local, H, I]``.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, expert_ids: Sequence[int]) -> None:
+        super().__init__()
+        ids = sorted(set(expert_ids))
+        if ids and not (0 <= ids[0] and ids[-1] < num_experts):
+            raise ValueError(f"expert ids must be in [0, {num_experts}), got {ids}")
+        self.expert_ids = tuple(ids)
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(len(ids), 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(len(ids), hidden_size, intermediate_size))
+        lookup = torch.full((num_experts,), -1, dtype=torch.long, device="cpu")
+        lookup[list(ids)] = torch.arange(len(ids), device="cpu")
+        self._global_to_local = lookup  # constant [E] -> local index or -1
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Partial MoE output over the experts held here.
+
+        x [T, H]; topk_ids [T, k] logical expert ids; topk_weights [T, k].
+        Returns [T, H] = sum over held experts e in topk of weight * expert_e(x);
+        ids not held here contribute nothing.
+        """
+        num_tokens, k = topk_ids.shape
+        out = x.new_zeros(num_tokens * k, x.shape[-1])  # one row per (token, slot)
+        local = self._global_to_local.to(x.device)[topk_ids.flatten()]  # [T*k]
+        held = local >= 0
+        if held.any():
+            order = torch.argsort(local.masked_fill(~held, len(self.expert_ids)), stable=True)
+            order = order[: int(held.sum())]  # (token, slot) rows sorted by local expert
+            counts = torch.bincount(local[order], minlength=len(self.expert_ids)).tolist()
+            weights = topk_weights.flatten()
+            start = 0
+            for e, n in enumerate(counts):
+                if n == 0:
+                    continue
+                rows = order[start : start + n]
+                start += n
+                xe = x[rows // k]  # [n, H]
+                gate, up = F.linear(xe, self.gate_up_proj[e]).chunk(2, dim=-1)
+                ye = F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, H]
+                out[rows] = (ye * weights[rows, None]).to(out.dtype)
+        return out.view(num_tokens, k, -1).sum(dim=1)

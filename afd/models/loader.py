@@ -1,0 +1,213 @@
+"""Role-aware loading of a Hugging Face checkpoint onto a meta-initialised model.
+
+The model is built on the ``meta`` device (no memory), then only the tensors
+of the chosen :class:`WeightSelection` are read, one at a time, converted to
+the target dtype and copied into freshly allocated parameters. Tensors outside
+the selection are never read; parameters outside it stay on ``meta`` and any
+half that needs them raises :class:`~afd.models.base.MissingWeightsError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from afd.config import ModelConfig
+from afd.models.base import MoEModel
+from afd.models.checkpoint import CheckpointError, CheckpointReader
+from afd.models.hf_config import load_model_config, read_config_json
+from afd.models.registry import model_class
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: checkpoint tensors that are derived buffers, not weights (older exports carry them)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class WeightSelection:
+    """Which tensors a process holds.
+
+    attention       embeddings, attention, norms, routers, dense MLPs and the LM head
+    shared_experts  the shared experts of MoE layers
+    experts         logical ids of the routed experts to hold; ``None`` means all
+    """
+
+    attention: bool = True
+    shared_experts: bool = True
+    experts: frozenset[int] | None = None
+
+    @classmethod
+    def full(cls) -> "WeightSelection":
+        return cls()
+
+    @classmethod
+    def attention_only(cls, shared_experts: bool = True) -> "WeightSelection":
+        return cls(attention=True, shared_experts=shared_experts, experts=frozenset())
+
+    @classmethod
+    def experts_only(cls, expert_ids: Iterable[int], shared_experts: bool = False) -> "WeightSelection":
+        return cls(attention=False, shared_experts=shared_experts, experts=frozenset(expert_ids))
+
+    def held_experts(self, num_experts: int) -> list[int]:
+        if self.experts is None:
+            return list(range(num_experts))
+        bad = sorted(e for e in self.experts if not 0 <= e < num_experts)
+        if bad:
+            raise ValueError(f"expert ids {bad} out of range: the model has {num_experts} routed experts")
+        return sorted(self.experts)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a process read: the checkpoint tensors and their bytes (counted at the reader)."""
+
+    tensors: tuple[str, ...]
+    bytes_read: int
+    shards_opened: tuple[str, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    """Copy checkpoint tensor ``source`` into ``param[index][rows]``."""
+
+    source: str
+    param: str
+    index: int | None = None
+    rows: slice | None = None
+
+
+def resolve_dtype(dtype: str | torch.dtype, raw_config: dict) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        name = raw_config.get("dtype") or raw_config.get("torch_dtype") or "float32"
+        return DTYPES.get(name, torch.float32)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _category(param: str) -> str:
+    if ".mlp.experts." in param:
+        return "experts"
+    if ".mlp.shared_experts." in param:
+        return "shared_experts"
+    return "attention"
+
+
+def _plan(model: MoEModel, expert_ids: Iterable[int]) -> list[_Copy]:
+    """Every copy needed to fill ``model``'s parameters, routed experts expanded to ``expert_ids``."""
+    inter = model.config.moe.intermediate_size
+    ids = list(expert_ids)
+    plan: list[_Copy] = []
+    for name, _ in model.named_parameters():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix("gate_up_proj")
+            for local, e in enumerate(ids):
+                plan.append(_Copy(f"{prefix}{e}.gate_proj.weight", name, local, slice(0, inter)))
+                plan.append(_Copy(f"{prefix}{e}.up_proj.weight", name, local, slice(inter, 2 * inter)))
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name.removesuffix("down_proj")
+            plan.extend(_Copy(f"{prefix}{e}.down_proj.weight", name, local) for local, e in enumerate(ids))
+        else:
+            plan.append(_Copy(name, name))
+    return plan
+
+
+def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+
+
+def _target_dtype(model: MoEModel, name: str, dtype: torch.dtype) -> torch.dtype:
+    if name.endswith("mlp.gate.weight") and model.config.moe.router_fp32:
+        return torch.float32  # DeepSeek keeps the router in fp32
+    return dtype
+
+
+def build_meta_model(config: ModelConfig, expert_ids: Iterable[int] | None = None) -> MoEModel:
+    with torch.device("meta"):
+        return model_class(config.architecture)(config, expert_ids=None if expert_ids is None else list(expert_ids))
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str | torch.dtype = "auto",
+    selection: WeightSelection = WeightSelection(),
+    device: str | torch.device = "cpu",
+) -> tuple[MoEModel, LoadReport]:
+    """Load the tensors of ``selection`` from a local Hugging Face directory."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    raw = read_config_json(model_dir)
+    config = load_model_config(model_dir)
+    target = resolve_dtype(dtype, raw)
+    held = selection.held_experts(config.moe.num_experts)
+    model = build_meta_model(config, held)
+    reader = CheckpointReader(model_dir)
+
+    full_plan = _plan(build_meta_model(config), range(config.moe.num_experts))
+    expected = {c.source for c in full_plan}
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    available = reader.names()
+    unexpected = sorted(n for n in available - expected if not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight")
+    if unexpected:
+        raise CheckpointError(
+            f"{len(unexpected)} unexpected tensors in {model_dir} for {config.architecture}: "
+            f"{', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}"
+        )
+
+    wanted = {"attention": selection.attention, "shared_experts": selection.shared_experts, "experts": True}
+    plan = [c for c in _plan(model, held) if wanted[_category(c.param)]]
+    if config.tie_word_embeddings and "lm_head.weight" not in available:
+        plan = [replace(c, source="model.embed_tokens.weight") if c.source == "lm_head.weight" else c for c in plan]
+    missing = sorted(c.source for c in plan if c.source not in available)
+    if missing:
+        raise CheckpointError(
+            f"{len(missing)} tensors missing from {model_dir}: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+        )
+
+    params = dict(model.named_parameters())
+    for c in plan:
+        param = params[c.param]
+        want = tuple(param.shape[1:]) if c.index is not None else tuple(param.shape)
+        if c.rows is not None:
+            want = (c.rows.stop - c.rows.start, *want[1:])
+        got = reader.shape(c.source)
+        if got != want:
+            raise CheckpointError(f"tensor {c.source} has shape {list(got)}, the model expects {list(want)}")
+
+    materialised: dict[str, torch.Tensor] = {}
+    for c in plan:
+        if c.param not in materialised:
+            param = params[c.param]
+            materialised[c.param] = torch.empty(param.shape, dtype=_target_dtype(model, c.param, target), device=device)
+        dst = materialised[c.param]
+        if c.index is not None:
+            dst = dst[c.index]
+        if c.rows is not None:
+            dst = dst[c.rows]
+        dst.copy_(reader.read(c.source))
+    for name, value in materialised.items():
+        _set_param(model, name, value)
+    reader.close()
+    model.eval()
+    report = LoadReport(
+        tensors=tuple(c.source for c in plan),
+        bytes_read=reader.stats.bytes_read,
+        shards_opened=tuple(sorted(reader.stats.shards_opened)),
+        dtype=target,
+    )
+    log.info("loaded %d tensors (%.1f MB) from %s as %s", len(plan), report.bytes_read / 1e6, model_dir, target)
+    return model, report

@@ -1,0 +1,58 @@
+"""Qwen3-MoE: grouped-query attention with per-head q/k RMSNorm, softmax top-k routing."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from afd.config import ModelConfig
+from afd.kvcache import AttentionMetadata
+from afd.models.base import MoEModel
+from afd.models.layers import RMSNorm, RotaryEmbedding
+
+
+class GQAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.scale = d**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, ...],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q = rope.apply(self.q_norm(self.q_proj(x).view(t, self.num_heads, d)), cos, sin)  # [T, nh, d]
+        k = rope.apply(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d)), cos, sin)  # [T, nkv, d]
+        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+
+        k_cache, v_cache = kv  # [slots, nkv, d] each
+        k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
+        v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
+        keys = k_cache[meta.gather_slots].transpose(1, 2)  # [S, nkv, L, d]
+        values = v_cache[meta.gather_slots].transpose(1, 2)
+        query = meta.pad(q).transpose(1, 2)  # [S, nh, Q, d]
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.mask, scale=self.scale, enable_gqa=True)
+        return self.o_proj(meta.unpad(out.transpose(1, 2)).reshape(t, self.num_heads * d))
+
+
+class Qwen3MoeModel(MoEModel):
+    def make_attention(self, layer: int) -> nn.Module:
+        return GQAttention(self.config)
+
+    def kv_layout(self) -> tuple[tuple[int, ...], ...]:
+        c = self.config
+        return ((c.num_kv_heads, c.head_dim), (c.num_kv_heads, c.head_dim))

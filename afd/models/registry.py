@@ -1,0 +1,19 @@
+"""Architecture name (``config.json: architectures[0]``) -> afd model class."""
+
+from __future__ import annotations
+
+from afd.models.base import MoEModel
+from afd.models.deepseek_v2 import DeepseekV2Model
+from afd.models.qwen3_moe import Qwen3MoeModel
+
+MODEL_CLASSES: dict[str, type[MoEModel]] = {
+    "DeepseekV2ForCausalLM": DeepseekV2Model,
+    "Qwen3MoeForCausalLM": Qwen3MoeModel,
+}
+
+
+def model_class(architecture: str) -> type[MoEModel]:
+    try:
+        return MODEL_CLASSES[architecture]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(MODEL_CLASSES)}") from None

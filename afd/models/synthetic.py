@@ -1,0 +1,79 @@
+"""Random-weight models built in memory, for benchmarks (no checkpoint on disk).
+
+``deepseek_v2_lite_shaped()`` has the layer shapes of DeepSeek-V2-Lite (hidden
+2048, 16 heads, MLA 512/64/128, 64 experts x 1408, top-6, 2 shared experts)
+with fewer layers and a smaller vocabulary, so a CPU can run it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from afd.models.base import MoEModel
+from afd.models.hf_config import parse_hf_config
+from afd.models.loader import build_meta_model
+
+
+def deepseek_v2_lite_shaped(num_layers: int = 8, vocab_size: int = 32000) -> dict[str, Any]:
+    """A config.json dict with DeepSeek-V2-Lite's layer shapes (1 dense layer)."""
+    return {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "vocab_size": vocab_size,
+        "hidden_size": 2048,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": num_layers,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 6,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "greedy",
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": False,
+        "max_position_embeddings": 163840,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "dtype": "bfloat16",
+    }
+
+
+@torch.no_grad()
+def random_model(raw_config: dict[str, Any], dtype: torch.dtype, std: float = 0.02, seed: int = 0) -> MoEModel:
+    """Materialise every parameter with N(0, std) (norm weights 1), seeded."""
+    config = parse_hf_config(raw_config)
+    model = build_meta_model(config)
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in list(model.named_parameters()):
+        p_dtype = torch.float32 if (name.endswith("mlp.gate.weight") and config.moe.router_fp32) else dtype
+        if name.endswith("norm.weight"):
+            value = torch.ones(param.shape, dtype=p_dtype)
+        else:
+            value = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen).to(p_dtype)
+        module_name, _, attr = name.rpartition(".")
+        model.get_submodule(module_name)._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    return model.eval()
