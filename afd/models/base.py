@@ -94,7 +94,10 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # _weight skips nn.Embedding's normal_ init: weights always come from a loader
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

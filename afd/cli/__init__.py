@@ -1,0 +1,1 @@
+"""Command line: ``afd generate``, ``afd bench ...``."""

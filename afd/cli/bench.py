@@ -1,0 +1,125 @@
+"""``afd bench``: benchmarks as programs. Each prints a table and one summary line, and can write JSON.
+
+``afd bench generate``: prefill and decode tokens/s of the monolithic engine,
+on a checkpoint or on the built-in synthetic DeepSeek-V2-Lite-shaped model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import date
+
+import torch
+
+from afd.cli.common import resolve_model
+from afd.config import SamplingParams
+
+SYNTHETIC = ("deepseek-v2-lite",)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks (print a table, optionally write JSON)")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    g = bsub.add_parser("generate", help="prefill and decode throughput of the monolithic path")
+    g.add_argument("model", nargs="?", help="model directory (default: the built-in model)")
+    g.add_argument("--synthetic", choices=SYNTHETIC, help="use a random-weight model of this shape instead of a checkpoint")
+    g.add_argument("--synthetic-layers", type=int, default=8, help="layers of the synthetic model (first is dense)")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    g.add_argument("--num-seqs", type=int, default=8)
+    g.add_argument("--prompt-len", type=int, default=128)
+    g.add_argument("--new-tokens", type=int, default=64)
+    g.add_argument("--runs", type=int, default=5)
+    g.add_argument("--warmup", type=int, default=1)
+    g.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
+    g.set_defaults(func=run_generate)
+
+
+def _load(args: argparse.Namespace):
+    from afd.models import WeightSelection, load_model
+    from afd.models.synthetic import deepseek_v2_lite_shaped, random_model
+
+    if args.synthetic:
+        dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+        raw = deepseek_v2_lite_shaped(num_layers=args.synthetic_layers)
+        return random_model(raw, dtype), f"synthetic {args.synthetic} ({args.synthetic_layers} layers, random)"
+    model_dir = resolve_model(args.model)
+    model, _ = load_model(model_dir, dtype=args.dtype, selection=WeightSelection.full())
+    return model, str(model_dir)
+
+
+def _one_run(model, args: argparse.Namespace, seed: int) -> tuple[float, float]:
+    """One batch: returns (prefill seconds, decode seconds)."""
+    from afd.config import EngineConfig
+    from afd.engine.llm_engine import LLMEngine, cache_config_for
+
+    dtype = model.model.embed_tokens.weight.dtype
+    need = args.num_seqs * (args.prompt_len + args.new_tokens + 16)
+    per_token = sum(torch.Size(s).numel() for s in model.kv_layout()) * model.config.num_layers * dtype.itemsize
+    cache = cache_config_for(model, need * per_token, 16, dtype)
+    config = EngineConfig(cache=cache, max_num_seqs=args.num_seqs, max_num_batched_tokens=args.num_seqs * args.prompt_len)
+    engine = LLMEngine(model, None, config)
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    for _ in range(args.num_seqs):
+        prompt = torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=gen).tolist()
+        engine.add_request(prompt, params)
+    t0 = time.perf_counter()
+    engine.step()  # every prompt prefilled in one step
+    t1 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    t_load = time.perf_counter()
+    model, label = _load(args)
+    t_load = time.perf_counter() - t_load
+    print(f"model: {label}; loaded in {t_load:.1f} s; torch threads {torch.get_num_threads()}", file=sys.stderr)
+    for i in range(args.warmup):
+        _one_run(model, args, seed=10_000 + i)
+    prefill, decode = [], []
+    for i in range(args.runs):
+        p, d = _one_run(model, args, seed=i)
+        prefill.append(p)
+        decode.append(d)
+        print(f"run {i}: prefill {p:.3f} s, decode {d:.3f} s", file=sys.stderr)
+    prefill_tokens = args.num_seqs * args.prompt_len
+    decode_tokens = args.num_seqs * (args.new_tokens - 1)  # the first new token comes from the prefill step
+    result = {
+        "bench": "generate",
+        "model": label,
+        "dtype": str(model.model.embed_tokens.weight.dtype).removeprefix("torch."),
+        "workload": {"num_seqs": args.num_seqs, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens},
+        "runs": args.runs,
+        "prefill_s_median": statistics.median(prefill),
+        "decode_s_median": statistics.median(decode),
+        "prefill_tok_s": prefill_tokens / statistics.median(prefill),
+        "decode_tok_s": decode_tokens / statistics.median(decode) if decode_tokens else 0.0,
+        "decode_ms_per_step": 1e3 * statistics.median(decode) / max(1, args.new_tokens - 1),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "date": date.today().isoformat(),
+    }
+    rows = [
+        ("phase", "tokens", "median s", "tokens/s"),
+        ("prefill", str(prefill_tokens), f"{result['prefill_s_median']:.3f}", f"{result['prefill_tok_s']:.1f}"),
+        ("decode", str(decode_tokens), f"{result['decode_s_median']:.3f}", f"{result['decode_tok_s']:.1f}"),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    print(
+        f"summary: {label} {result['dtype']}, {args.num_seqs} seqs x {args.prompt_len} prompt + {args.new_tokens} new, "
+        f"median of {args.runs}: prefill {result['prefill_tok_s']:.1f} tok/s, decode {result['decode_tok_s']:.1f} tok/s "
+        f"({result['decode_ms_per_step']:.1f} ms/step)"
+    )
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

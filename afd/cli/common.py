@@ -1,0 +1,52 @@
+"""Arguments and helpers shared by the commands."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from afd import env
+
+BUILTIN_MODEL = Path(__file__).resolve().parent.parent / "assets" / "models" / "tiny-shakespeare-moe"
+
+
+def resolve_model(arg: str | None) -> Path:
+    """MODEL argument, else $AFD_MODEL, else the built-in model."""
+    if arg:
+        return Path(arg)
+    return env.default_model() or BUILTIN_MODEL
+
+
+def parse_size(text: str) -> int:
+    """'512M', '2G', '1048576' -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use bytes or a K/M/G suffix, e.g. 512M") from None
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="compute dtype (auto: the checkpoint's)")
+    p.add_argument("--kv-cache-memory", type=parse_size, default="256M", help="KV cache budget, e.g. 256M, 2G (default 256M)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="tokens per step (longer prompts are chunked)")
+
+
+def setup_process(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    threads = env.num_threads()
+    if threads:
+        torch.set_num_threads(threads)

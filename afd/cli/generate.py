@@ -1,0 +1,66 @@
+"""``afd generate``: offline generation with the monolithic engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from afd.cli.common import add_engine_args, resolve_model
+from afd.config import SamplingParams
+
+log = logging.getLogger("afd.generate")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text for one or more prompts", description=__doc__)
+    p.add_argument("model", nargs="?", help="local Hugging Face model directory (default: $AFD_MODEL or the built-in model)")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="prompt i samples with seed S+i (same output whatever the batch)")
+    p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt: prompt, text, token_ids")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from afd.engine.llm_engine import LLMEngine
+
+    model_dir = resolve_model(args.model)
+    params = [
+        SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=None if args.seed is None else args.seed + i,
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+        )
+        for i in range(len(args.prompt))
+    ]
+    engine = LLMEngine.from_pretrained(
+        model_dir,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    log.info("model %s (%s), dtype %s, %s", model_dir, engine.model.config.architecture, engine.config.dtype, engine.config.cache)
+    outputs = engine.generate(args.prompt, params, progress=not args.no_progress and sys.stderr.isatty())
+    for out in outputs:
+        if args.json:
+            print(json.dumps({"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}))
+        else:
+            print(out.prompt + out.text)
+            if len(outputs) > 1:
+                print("-" * 60)
+    return 0

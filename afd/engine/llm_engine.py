@@ -1,0 +1,184 @@
+"""The engine's step loop: schedule -> execute -> sample -> check stops, over the paged KV cache."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from afd.config import CacheConfig, EngineConfig, SamplingParams
+from afd.engine.request import Request, RequestOutput
+from afd.engine.runner import ModelRunner
+from afd.engine.sampling import make_generator, sample_one
+from afd.engine.scheduler import Scheduler
+from afd.engine.tokenizer import Tokenizer
+from afd.kvcache import BlockManager, PagedKVCache
+from afd.models import WeightSelection, load_model
+from afd.models.base import MoEModel
+
+log = logging.getLogger(__name__)
+
+
+def cache_config_for(model: MoEModel, kv_cache_memory: int, block_size: int, dtype: torch.dtype) -> CacheConfig:
+    probe = CacheConfig(block_size=block_size, num_blocks=1)
+    per_block = PagedKVCache.bytes_per_block(probe, model.config.num_layers, model.kv_layout(), dtype)
+    num_blocks = kv_cache_memory // per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv cache memory {kv_cache_memory} B holds no block of {per_block} B; raise --kv-cache-memory")
+    return CacheConfig(block_size=block_size, num_blocks=int(num_blocks))
+
+
+class LLMEngine:
+    """Monolithic generation engine (the reference for every disaggregated mode)."""
+
+    def __init__(self, model: MoEModel, tokenizer: Tokenizer | None, config: EngineConfig) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.runner = ModelRunner(model, config.cache, config.device)
+        self.blocks = BlockManager(config.cache.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.max_model_len = model.config.max_position_embeddings
+        self.eos_ids = set(model.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self._ids = itertools.count()
+        self._seed_source = random.Random()
+        self._requests: dict[int, Request] = {}
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        dtype: str = "auto",
+        kv_cache_memory: int = 256 << 20,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 4096,
+        device: str = "cpu",
+    ) -> "LLMEngine":
+        model, _ = load_model(model_dir, dtype=dtype, selection=WeightSelection.full(), device=device)
+        model_dtype = model.model.embed_tokens.weight.dtype
+        cache = cache_config_for(model, kv_cache_memory, block_size, model_dtype)
+        config = EngineConfig(
+            cache=cache,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            dtype="bfloat16" if model_dtype == torch.bfloat16 else "float32",
+            device=device,
+        )
+        return cls(model, Tokenizer(model_dir), config)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams) -> int:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass token ids")
+            prompt_ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            prompt_ids, text = list(prompt), ""
+        if not prompt_ids:
+            raise ValueError("empty prompt: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} outside the vocabulary [0, {self.model.config.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens does not fit the model's context of {self.max_model_len} tokens"
+            )
+        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        request = Request(next(self._ids), text, prompt_ids, params, make_generator(seed))
+        max_total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        self.scheduler.add(request, max_total)
+        self._requests[request.request_id] = request
+        return request.request_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError("scheduler produced an empty step with unfinished requests (KV cache too small?)")
+        token_ids: list[int] = []
+        for item in batch:
+            token_ids.extend(item.request.all_ids[item.chunk.start : item.chunk.end])
+        logits = self.runner.execute(token_ids, [item.chunk for item in batch])
+        finished = []
+        for item, row in zip(batch, logits):
+            req = item.request
+            req.num_computed += item.chunk.length
+            if req.num_pending:
+                continue  # a chunk of a longer prompt: nothing to sample yet
+            token = sample_one(row, req.params, req.generator)
+            req.output_ids.append(token)
+            reason = self._check_stop(req, token)
+            if reason:
+                self.scheduler.finish(req, reason)
+                finished.append(self._output(req))
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> str | None:
+        if token in self.eos_ids and not req.params.ignore_eos:
+            self._update_text(req)
+            return "stop"
+        self._update_text(req)
+        if req.params.stop:
+            hits = [(req.output_text.find(s), s) for s in req.params.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                req.output_text = req.output_text[: min(hits)[0]]
+                return "stop"
+        if len(req.output_ids) >= req.params.max_tokens:
+            return "length"
+        if req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _update_text(self, req: Request) -> None:
+        if self.tokenizer is not None:
+            req.output_text = self.tokenizer.decode(req.output_ids)
+
+    def _output(self, req: Request) -> RequestOutput:
+        self._requests.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_ids=req.prompt_ids,
+            text=req.output_text,
+            token_ids=list(req.output_ids),
+            finish_reason=req.finish_reason or "stop",
+        )
+
+    # ------------------------------------------------------------------ batch API
+    def generate(
+        self,
+        prompts: Iterable[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        prompts = list(prompts)
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        done: dict[int, RequestOutput] = {}
+        total = sum(sp.max_tokens for sp in per_prompt)
+        with tqdm(total=total, desc="generate", unit="tok", disable=not progress, leave=False) as bar:
+            while self.has_unfinished():
+                for out in self.step():
+                    done[out.request_id] = out
+                produced = sum(
+                    len(done[i].token_ids) if i in done else len(self._requests[i].output_ids) for i in ids
+                )
+                bar.update(produced - bar.n)
+        return [done[i] for i in ids]

@@ -1,0 +1,54 @@
+"""A generation request and its progress through the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from afd.config import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: int
+    prompt: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    num_computed: int = 0  # tokens whose KV is in the cache
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the KV cache (the whole prompt at first, one per decode step)."""
+        return self.num_tokens - self.num_computed
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    request_id: int
+    prompt: str
+    prompt_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str

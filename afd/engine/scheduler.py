@@ -1,0 +1,96 @@
+"""Per-replica scheduler: which tokens of which requests run in the next step.
+
+Continuous batching over the paged KV cache: running requests go first (one
+decode token each, or the next chunk of a long prompt), then waiting requests
+are admitted while the token budget, the sequence limit and free blocks allow.
+Prompts longer than the budget are prefilled in chunks. When blocks run out,
+the newest running request is preempted: its blocks are freed and it is
+recomputed later from its prompt and the tokens it already produced.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from afd.kvcache import BlockManager, SeqChunk
+from afd.engine.request import Request, Status
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    request: Request
+    chunk: SeqChunk
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request, max_total_tokens: int) -> None:
+        need = self.blocks.blocks_for(max_total_tokens)
+        if need > self.blocks.num_blocks:
+            raise ValueError(
+                f"request {request.request_id} may need {max_total_tokens} tokens ({need} KV blocks) "
+                f"but the cache has only {self.blocks.num_blocks} blocks; raise the KV cache size or lower max_tokens"
+            )
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledChunk] = []
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not Status.RUNNING:
+                continue  # preempted in this loop
+            n = min(req.num_pending, budget)
+            if not self._reserve(req, n):
+                continue
+            batch.append(ScheduledChunk(req, SeqChunk(self.blocks.table(req.request_id), req.num_computed, n)))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_pending, budget)
+            if not self.blocks.can_ensure(req.request_id, req.num_computed + n):
+                break
+            self.waiting.popleft()
+            self.blocks.ensure(req.request_id, req.num_computed + n)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            batch.append(ScheduledChunk(req, SeqChunk(self.blocks.table(req.request_id), req.num_computed, n)))
+            budget -= n
+        return batch
+
+    def _reserve(self, req: Request, n: int) -> bool:
+        """Make room for ``n`` more tokens of ``req``, preempting newer requests; False if ``req`` itself was preempted."""
+        while not self.blocks.can_ensure(req.request_id, req.num_computed + n):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is req:
+                return False
+        self.blocks.ensure(req.request_id, req.num_computed + n)
+        return True
+
+    def preempt(self, req: Request) -> None:
+        self.blocks.free(req.request_id)
+        self.running.remove(req)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        self.blocks.free(req.request_id)
+        self.running.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason

@@ -1,0 +1,53 @@
+"""Tokenizer over ``tokenizer.json`` (the ``tokenizers`` library), with the checkpoint's BOS rule.
+
+Matches ``transformers.AutoTokenizer`` for the checkpoint: the post-processor in
+``tokenizer.json`` decides special tokens; when ``tokenizer_config.json`` says
+``add_bos_token: true`` and the post-processor does not add it, the BOS token is
+prepended (what transformers' Llama-style fast tokenizers do).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: afd needs the checkpoint's tokenizer.json")
+        self._tok = _HFTokenizer.from_file(str(path))
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.chat_template: str | None = cfg.get("chat_template")
+        probe = self._tok.encode("", add_special_tokens=True).ids
+        self._prepend_bos = bool(
+            cfg.get("add_bos_token") and self.bos_token_id is not None and probe[:1] != [self.bos_token_id]
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._prepend_bos:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _token_str(value) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older configs
+        return value.get("content")
+    return value
