@@ -82,7 +82,7 @@ def _parse_deepseek_v2(raw: dict[str, Any]) -> ModelConfig:
     num_layers = raw["num_hidden_layers"]
     first_dense = raw.get("first_k_dense_replace", 0)
     freq = raw.get("moe_layer_freq", 1)
-    num_experts = raw.get("n_routed_experts")
+    num_experts = raw.get("n_routed_experts") or raw.get("num_local_experts")
     if not num_experts:
         raise UnsupportedArchitectureError("DeepSeek-V2 config without n_routed_experts is a dense model; afd serves MoE models")
     moe_layers = tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0)
@@ -133,9 +133,11 @@ def _parse_qwen3_moe(raw: dict[str, Any]) -> ModelConfig:
     num_layers = raw["num_hidden_layers"]
     only_mlp = set(raw.get("mlp_only_layers") or [])
     step = raw.get("decoder_sparse_step", 1) or 1
-    num_experts = raw.get("num_experts", 0)
+    num_experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
     moe_layers = tuple(i for i in range(num_layers) if i not in only_mlp and num_experts > 0 and (i + 1) % step == 0)
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    if not num_experts:
+        raise UnsupportedArchitectureError("Qwen3-MoE config without num_experts is a dense model; afd serves MoE models")
     moe = MoEConfig(
         num_experts=num_experts,
         top_k=raw["num_experts_per_tok"],

@@ -1,0 +1,198 @@
+"""Test support: random Hugging Face checkpoints written by transformers itself, and references.
+
+Weights are *decisive* (init std 0.15, non-default routed_scaling_factor,
+group-limited top-k with n_group > 1, top-k >= 2) so that a routing bug moves
+outputs well past the parity tolerance (see shared/research/parity.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TOKENIZER_TEXT = [
+    "To be, or not to be, that is the question:",
+    "Whether 'tis nobler in the mind to suffer",
+    "The slings and arrows of outrageous fortune,",
+    "Or to take arms against a sea of troubles",
+    "And by opposing end them. To die: to sleep;",
+    "Now is the winter of our discontent made glorious summer.",
+]
+
+DEEPSEEK_CASES = {
+    # q_lora, group-limited top-k over 4 groups, YaRN with mscale != mscale_all_dim, two dense layers
+    "ds-qlora-grouped-yarn": dict(
+        q_lora_rank=24,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=2,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+        },
+    ),
+    # no q_lora, greedy top-k, default RoPE
+    "ds-noqlora-greedy": dict(q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.7, first_k_dense_replace=2),
+}
+
+QWEN_CASES = {
+    "qwen3-norm-topk": dict(norm_topk_prob=True),
+    "qwen3-no-norm-topk": dict(norm_topk_prob=False),
+}
+
+
+def deepseek_config(**overrides):
+    from transformers import DeepseekV2Config
+
+    base = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        initializer_range=0.15,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    base.update(overrides)
+    return DeepseekV2Config(**base)
+
+
+def qwen3_config(**overrides):
+    from transformers import Qwen3MoeConfig
+
+    base = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        mlp_only_layers=[0],
+        max_position_embeddings=256,
+        initializer_range=0.15,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    base.update(overrides)
+    return Qwen3MoeConfig(**base)
+
+
+def build_hf_model(config, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    for name, p in model.named_parameters():
+        if name.endswith("gate.weight"):
+            assert p.std() > 0.05, f"{name} is not initialised decisively"
+    return model
+
+
+def write_tokenizer(model_dir: Path) -> None:
+    """A small byte-level BPE with <s>/</s>, BOS added by the post-processor."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(TOKENIZER_TEXT, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
+    )
+
+
+def save_checkpoint(model, model_dir: Path, max_shard_size: str | None = None, hub_style: bool = False) -> Path:
+    """save_pretrained + tokenizer. ``hub_style`` rewrites config.json in the DeepSeek-V2-Lite hub schema
+    (top-level ``rope_theta`` and legacy ``rope_scaling: {"type": ...}``)."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(model_dir, **kwargs)
+    write_tokenizer(model_dir)
+    if hub_style:
+        path = model_dir / "config.json"
+        raw = json.loads(path.read_text())
+        rope = raw.pop("rope_parameters")
+        raw["rope_theta"] = rope.pop("rope_theta")
+        rope_type = rope.pop("rope_type")
+        raw["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **rope}
+        raw.pop("dtype", None)
+        raw["torch_dtype"] = "float32"
+        raw["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekV2Config"}
+        path.write_text(json.dumps(raw, indent=2))
+    return model_dir
+
+
+@torch.no_grad()
+def hf_reference(hf_model, ids: list[int]):
+    """One sequence through transformers (no cache): per-layer outputs [L][T, H], router (logits, ids), logits [T, V]."""
+    layer_out: dict[int, torch.Tensor] = {}
+    router: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    hooks = []
+    for i, layer in enumerate(hf_model.model.layers):
+        hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: layer_out.__setitem__(i, o[0] if isinstance(o, tuple) else o)))
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            hooks.append(gate.register_forward_hook(lambda m, a, o, i=i: router.__setitem__(i, (o[0], o[2]))))
+    try:
+        out = hf_model(torch.tensor([ids]), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {i: v[0] for i, v in layer_out.items()}, router, out.logits[0].float()
+
+
+def selection_scores(router_logits: torch.Tensor, config) -> torch.Tensor:
+    """Reference scores the top-k is taken over (softmax, then the group mask for group-limited top-k)."""
+    scores = router_logits.float().softmax(-1)
+    if getattr(config, "topk_method", None) == "group_limited_greedy":
+        groups = scores.view(scores.shape[0], config.n_group, -1)
+        keep = groups.max(-1).values.topk(config.topk_group, dim=-1).indices
+        mask = torch.zeros(scores.shape[0], config.n_group, dtype=torch.bool).scatter_(1, keep, True)
+        scores = scores.masked_fill(~mask.repeat_interleave(groups.shape[-1], dim=1), 0.0)
+    return scores
+
+
+class Capture:
+    """An observer for MoEModel.forward that keeps every boundary tensor."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[int, str], torch.Tensor] = {}
+
+    def __call__(self, layer: int, boundary: str, tensor: torch.Tensor) -> None:
+        self.values[(layer, boundary)] = tensor.detach().clone()
+
+    def __getitem__(self, key):
+        return self.values[key]
