@@ -112,7 +112,7 @@ def test_stop_string_and_eos(model, model_dir):
 @pytest.mark.parametrize(
     "prompt, params, message",
     [
-        ("", SamplingParams(), "empty prompt"),
+        ([], SamplingParams(), "empty prompt"),
         ([5, 10_000], SamplingParams(), "outside the vocabulary"),
         ([5] * 300, SamplingParams(), "does not fit the model's context"),
         ("hi", SamplingParams(max_tokens=200), "only 8 blocks"),
