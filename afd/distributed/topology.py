@@ -1,0 +1,235 @@
+"""Topology: which devices the attention and FFN ranks run on, and which FFN rank owns which expert.
+
+Pure Python. :func:`validate_topology` rejects a bad combination before any
+process starts, with a message that says what is wrong and what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+TRANSPORTS = ("loopback", "shm", "torch")
+GATE_PLACEMENTS = ("attention", "ffn")
+SIDES = ("attention", "ffn")
+MODES = ("sync",)
+
+
+class TopologyError(ValueError):
+    """A topology that cannot run; raised before any process starts."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """``cpu``, ``cpu:0``, ``cpu:1-3`` (a core set), ``cuda:1`` or ``npu:0``."""
+
+    kind: str
+    index: int | None = None
+    cores: frozenset[int] | None = None
+
+    def __str__(self) -> str:
+        if self.cores is not None:
+            return "cpu:" + ",".join(str(c) for c in sorted(self.cores))
+        return self.kind if self.index is None else f"{self.kind}:{self.index}"
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.kind in ("cuda", "npu")
+
+    @property
+    def torch_device(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"{self.kind}:{self.index}"
+
+
+_CORES = re.compile(r"^\d+(-\d+)?$")
+
+
+def parse_device(text: str) -> DeviceSpec:
+    t = text.strip().lower()
+    kind, _, rest = t.partition(":")
+    if kind == "cpu":
+        if not rest:
+            return DeviceSpec("cpu")
+        cores: set[int] = set()
+        for part in rest.split("+"):
+            if not _CORES.match(part):
+                raise TopologyError(f"bad CPU core set {text!r}: use cpu, cpu:N or cpu:A-B (cores joined with '+')")
+            lo, _, hi = part.partition("-")
+            a, b = int(lo), int(hi or lo)
+            if b < a:
+                raise TopologyError(f"bad CPU core range {text!r}: {a} > {b}")
+            cores.update(range(a, b + 1))
+        return DeviceSpec("cpu", cores=frozenset(cores))
+    if kind in ("cuda", "npu"):
+        if not rest.isdigit():
+            raise TopologyError(f"bad device {text!r}: {kind} needs an index, e.g. {kind}:0")
+        return DeviceSpec(kind, index=int(rest))
+    raise TopologyError(f"unknown device {text!r}: use cpu[:cores], cuda:N or npu:N")
+
+
+def parse_devices(text: str) -> tuple[DeviceSpec, ...]:
+    items = [s for s in text.split(",") if s.strip()]
+    if not items:
+        raise TopologyError("an empty device list: give at least one device, e.g. cpu")
+    return tuple(parse_device(s) for s in items)
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Logical expert -> physical FFN rank (one physical copy per expert for now)."""
+
+    expert_to_rank: tuple[int, ...]
+
+    @classmethod
+    def contiguous(cls, num_experts: int, num_ffn_ranks: int) -> "ExpertPlacement":
+        """Blocks of near-equal size: ranks get ceil or floor of E/F experts, in order."""
+        if num_ffn_ranks > num_experts:
+            raise TopologyError(
+                f"{num_ffn_ranks} FFN ranks for {num_experts} experts: every FFN rank needs at least one expert; "
+                f"use at most {num_experts} FFN ranks"
+            )
+        base, extra = divmod(num_experts, num_ffn_ranks)
+        owner: list[int] = []
+        for rank in range(num_ffn_ranks):
+            owner += [rank] * (base + (rank < extra))
+        return cls(tuple(owner))
+
+    @classmethod
+    def parse(cls, text: str, num_experts: int) -> "ExpertPlacement":
+        """``"0-3:0,4-7:1"``: expert ranges to FFN ranks."""
+        owner: dict[int, int] = {}
+        for part in text.split(","):
+            ranges, sep, rank = part.partition(":")
+            if not sep or not rank.strip().isdigit():
+                raise TopologyError(f"bad placement entry {part!r}: use EXPERTS:RANK, e.g. 0-3:0")
+            for r in ranges.split("+"):
+                lo, _, hi = r.strip().partition("-")
+                if not lo.isdigit() or (hi and not hi.isdigit()):
+                    raise TopologyError(f"bad expert range {r!r} in placement")
+                for e in range(int(lo), int(hi or lo) + 1):
+                    if e in owner:
+                        raise TopologyError(f"expert {e} placed twice (on FFN ranks {owner[e]} and {rank})")
+                    owner[e] = int(rank)
+        missing = sorted(set(range(num_experts)) - set(owner))
+        extra = sorted(set(owner) - set(range(num_experts)))
+        if missing:
+            raise TopologyError(f"placement misses experts {missing}: every expert needs an FFN rank")
+        if extra:
+            raise TopologyError(f"placement names experts {extra} but the model has {num_experts}")
+        return cls(tuple(owner[e] for e in range(num_experts)))
+
+    def experts_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(e for e, r in enumerate(self.expert_to_rank) if r == rank)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.expert_to_rank)
+
+
+@dataclass(frozen=True)
+class Topology:
+    attention_devices: tuple[DeviceSpec, ...]
+    ffn_devices: tuple[DeviceSpec, ...]
+    transport: str = "shm"
+    gate: str = "attention"
+    mode: str = "sync"
+    dense_on: str = "attention"
+    shared_experts_on: str = "attention"
+    placement: ExpertPlacement | None = None  # None: contiguous blocks
+
+    @property
+    def num_attention_ranks(self) -> int:
+        return len(self.attention_devices)
+
+    @property
+    def num_ffn_ranks(self) -> int:
+        return len(self.ffn_devices)
+
+    def placement_for(self, num_experts: int) -> ExpertPlacement:
+        return self.placement or ExpertPlacement.contiguous(num_experts, self.num_ffn_ranks)
+
+    def designated_ffn_rank(self, attention_rank: int) -> int:
+        """The FFN rank that runs dense layers / shared experts moved to the FFN side for this attention rank."""
+        return attention_rank % self.num_ffn_ranks
+
+
+def validate_topology(topology: Topology, num_experts: int) -> ExpertPlacement:
+    """Check everything that can be checked before a process starts; return the expert placement."""
+    t = topology
+    if not t.attention_devices or not t.ffn_devices:
+        raise TopologyError("a disaggregated run needs at least one attention and one FFN device")
+    for name, value, allowed in (
+        ("transport", t.transport, TRANSPORTS),
+        ("gate", t.gate, GATE_PLACEMENTS),
+        ("mode", t.mode, MODES),
+        ("dense-on", t.dense_on, SIDES),
+        ("shared-experts-on", t.shared_experts_on, SIDES),
+    ):
+        if value not in allowed:
+            raise TopologyError(f"--{name} {value!r} is not one of: {', '.join(allowed)}")
+    if t.num_ffn_ranks > num_experts:
+        raise TopologyError(
+            f"{t.num_ffn_ranks} FFN ranks for a model with {num_experts} routed experts: "
+            f"use at most {num_experts} FFN ranks"
+        )
+    placement = t.placement_for(num_experts)
+    if placement.num_experts != num_experts:
+        raise TopologyError(f"placement covers {placement.num_experts} experts, the model has {num_experts}")
+    idle = [r for r in range(t.num_ffn_ranks) if not placement.experts_of(r)]
+    if idle:
+        raise TopologyError(f"FFN ranks {idle} own no expert: give every FFN rank at least one expert")
+    stray = sorted({r for r in placement.expert_to_rank if r >= t.num_ffn_ranks})
+    if stray:
+        raise TopologyError(f"placement names FFN ranks {stray} but only {t.num_ffn_ranks} exist")
+    _check_devices(t)
+    if t.transport in ("loopback", "shm"):
+        accel = [d for d in (*t.attention_devices, *t.ffn_devices) if d.is_accelerator]
+        if accel and t.transport == "loopback":
+            raise TopologyError("the loopback transport runs on CPU only; use --transport torch for accelerators")
+    if any(d.is_accelerator for d in (*t.attention_devices, *t.ffn_devices)) and t.transport == "shm":
+        raise TopologyError("the shm transport moves CPU tensors; use --transport torch for cuda/npu devices")
+    return placement
+
+
+def _check_devices(t: Topology) -> None:
+    seen: dict[str, str] = {}
+    for side, devices in (("attention", t.attention_devices), ("ffn", t.ffn_devices)):
+        for i, d in enumerate(devices):
+            if d.is_accelerator:
+                key = str(d)
+                if key in seen:
+                    where = seen[key]
+                    raise TopologyError(
+                        f"{key} is used twice ({where} and {side} rank {i}): accelerators must be unique"
+                        + (" and never on both sides" if not where.startswith(side) else "")
+                    )
+                seen[key] = f"{side} rank {i}"
+    cores: dict[int, str] = {}
+    for side, devices in (("attention", t.attention_devices), ("ffn", t.ffn_devices)):
+        for i, d in enumerate(devices):
+            for c in sorted(d.cores or ()):
+                if c in cores:
+                    raise TopologyError(f"CPU core {c} is in the core sets of {cores[c]} and {side} rank {i}: core sets must not overlap")
+                cores[c] = f"{side} rank {i}"
+
+
+def parse_topology_args(
+    attention_devices: str | None,
+    ffn_devices: str | None,
+    attention_ranks: int | None,
+    ffn_ranks: int | None,
+    **kwargs,
+) -> Topology | None:
+    """The CLI's topology flags -> a Topology, or None for a monolithic run."""
+    if attention_devices and attention_ranks:
+        raise TopologyError("give --attention-devices or --attention-ranks, not both")
+    if ffn_devices and ffn_ranks:
+        raise TopologyError("give --ffn-devices or --ffn-ranks, not both")
+    attn = parse_devices(attention_devices) if attention_devices else (DeviceSpec("cpu"),) * attention_ranks if attention_ranks else None
+    ffn = parse_devices(ffn_devices) if ffn_devices else (DeviceSpec("cpu"),) * ffn_ranks if ffn_ranks else None
+    if attn is None and ffn is None:
+        return None
+    if attn is None or ffn is None:
+        raise TopologyError("a disaggregated run needs both attention and FFN devices (or --attention-ranks / --ffn-ranks)")
+    return Topology(attention_devices=attn, ffn_devices=ffn, **kwargs)

@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from afd.distributed.topology import (
+    DeviceSpec,
+    ExpertPlacement,
+    Topology,
+    TopologyError,
+    parse_devices,
+    parse_topology_args,
+    validate_topology,
+)
+
+
+def topo(attn="cpu", ffn="cpu", **kw):
+    return Topology(parse_devices(attn), parse_devices(ffn), **kw)
+
+
+@given(st.integers(1, 64), st.integers(1, 64))
+def test_contiguous_placement_covers_every_expert_once(num_experts, num_ranks):
+    if num_ranks > num_experts:
+        with pytest.raises(TopologyError, match="at most"):
+            ExpertPlacement.contiguous(num_experts, num_ranks)
+        return
+    p = ExpertPlacement.contiguous(num_experts, num_ranks)
+    sizes = [len(p.experts_of(r)) for r in range(num_ranks)]
+    assert sum(sizes) == num_experts and max(sizes) - min(sizes) <= 1
+    assert list(p.expert_to_rank) == sorted(p.expert_to_rank)  # contiguous blocks
+
+
+@pytest.mark.parametrize("attn, ffn", [("cpu", "cpu"), ("cpu,cpu", "cpu"), ("cpu", "cpu,cpu"), ("cpu,cpu,cpu", "cpu,cpu"), ("cpu,cpu", "cpu,cpu,cpu")])
+def test_any_ratio_is_valid(attn, ffn):
+    p = validate_topology(topo(attn, ffn), num_experts=8)
+    assert sorted(e for r in range(len(ffn.split(","))) for e in p.experts_of(r)) == list(range(8))
+
+
+def test_explicit_placement():
+    p = ExpertPlacement.parse("0-2:1,3+7:0,4-6:1", 8)
+    assert p.experts_of(0) == (3, 7) and p.experts_of(1) == (0, 1, 2, 4, 5, 6)
+    with pytest.raises(TopologyError, match=r"misses experts \[7\]"):
+        ExpertPlacement.parse("0-6:0", 8)
+    with pytest.raises(TopologyError, match="expert 3 placed twice"):
+        ExpertPlacement.parse("0-3:0,3-7:1", 8)
+    with pytest.raises(TopologyError, match=r"names experts \[8\]"):
+        ExpertPlacement.parse("0-8:0", 8)
+
+
+@pytest.mark.parametrize(
+    "topology, message",
+    [
+        (topo("cpu", ",".join(["cpu"] * 9)), "9 FFN ranks for a model with 8 routed experts"),
+        (topo("cuda:0", "cuda:0", transport="torch"), "cuda:0 is used twice .* never on both sides"),
+        (topo("cuda:0,cuda:0", "cuda:1", transport="torch"), "cuda:0 is used twice"),
+        (topo("cpu:0-1", "cpu:1", transport="shm"), "CPU core 1 .* must not overlap"),
+        (topo("cpu", "cpu", transport="carrier-pigeon"), "--transport 'carrier-pigeon' is not one of"),
+        (topo("cpu", "cpu", gate="router"), "--gate 'router' is not one of"),
+        (topo("cpu", "cpu,cpu", placement=ExpertPlacement((0,) * 8)), r"FFN ranks \[1\] own no expert"),
+        (topo("cuda:0", "cuda:1", transport="shm"), "use --transport torch"),
+    ],
+)
+def test_bad_topologies_are_rejected_with_actionable_messages(topology, message):
+    with pytest.raises(TopologyError, match=message):
+        validate_topology(topology, num_experts=8)
+
+
+def test_device_parsing():
+    assert parse_devices("cpu,cpu:0,cpu:2-3,cuda:1") == (
+        DeviceSpec("cpu"),
+        DeviceSpec("cpu", cores=frozenset({0})),
+        DeviceSpec("cpu", cores=frozenset({2, 3})),
+        DeviceSpec("cuda", index=1),
+    )
+    for bad in ("gpu:0", "cuda", "cpu:x", "cpu:3-1", ""):
+        with pytest.raises(TopologyError):
+            parse_devices(bad)
+
+
+def test_cli_shorthand_and_monolithic_default():
+    assert parse_topology_args(None, None, None, None) is None
+    t = parse_topology_args(None, None, 2, 3, transport="loopback")
+    assert t.num_attention_ranks == 2 and t.num_ffn_ranks == 3
+    with pytest.raises(TopologyError, match="both attention and FFN"):
+        parse_topology_args(None, None, 2, None)
+    with pytest.raises(TopologyError, match="not both"):
+        parse_topology_args("cpu", None, 2, 1)
