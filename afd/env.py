@@ -14,6 +14,9 @@ VARIABLES: dict[str, str] = {
     "AFD_MODEL": "default model directory for every command (overrides the built-in model)",
     "AFD_NUM_THREADS": "torch intra-op threads per process (default: torch's own choice)",
     "AFD_RUN_ID": "per-run id set by the launcher on every process it starts",
+    "AFD_IO_LOG": "1: log every connector send and receive header (INFO level)",
+    "AFD_FAULT": "testing only: inject a protocol fault on attention rank 0's N-th work message "
+    "(corrupt-header|wrong-layer|wrong-seq|truncate[@N], default N=3)",
 }
 
 
@@ -37,3 +40,18 @@ def num_threads() -> int | None:
 
 def run_id() -> str | None:
     return os.environ.get("AFD_RUN_ID") or None
+
+
+def io_log() -> bool:
+    return os.environ.get("AFD_IO_LOG", "") not in ("", "0")
+
+
+def fault() -> tuple[str, int] | None:
+    value = os.environ.get("AFD_FAULT")
+    if not value:
+        return None
+    kind, _, nth = value.partition("@")
+    kinds = ("corrupt-header", "wrong-layer", "wrong-seq", "truncate")
+    if kind not in kinds:
+        raise ValueError(f"AFD_FAULT must be one of {', '.join(kinds)} (optionally @N), got {value!r}")
+    return kind, int(nth or 3)

@@ -34,13 +34,15 @@ def cache_config_for(model: MoEModel, kv_cache_memory: int, block_size: int, dty
 
 
 class LLMEngine:
-    """Monolithic generation engine (the reference for every disaggregated mode)."""
+    """The generation engine of one attention replica. With the default runner it is monolithic
+    (the reference for every disaggregated mode); with a :class:`DisaggregatedRunner` the FFN
+    half of each layer runs on the FFN ranks."""
 
-    def __init__(self, model: MoEModel, tokenizer: Tokenizer | None, config: EngineConfig) -> None:
+    def __init__(self, model: MoEModel, tokenizer: Tokenizer | None, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        self.runner = ModelRunner(model, config.cache, config.device)
+        self.runner = runner or ModelRunner(model, config.cache, config.device)
         self.blocks = BlockManager(config.cache.num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = model.config.max_position_embeddings

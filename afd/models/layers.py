@@ -126,13 +126,14 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Partial MoE output over the experts held here.
 
-        x [T, H]; topk_ids [T, k] logical expert ids; topk_weights [T, k].
+        x [T, H]; topk_ids [T, k] logical expert ids (-1: a slot routed elsewhere); topk_weights [T, k].
         Returns [T, H] = sum over held experts e in topk of weight * expert_e(x);
-        ids not held here contribute nothing.
+        ids not held here (or -1) contribute nothing.
         """
         num_tokens, k = topk_ids.shape
         out = x.new_zeros(num_tokens * k, x.shape[-1])  # one row per (token, slot)
-        local = self._global_to_local.to(x.device)[topk_ids.flatten()]  # [T*k]
+        ids = topk_ids.flatten()
+        local = torch.where(ids >= 0, self._global_to_local.to(x.device)[ids.clamp(min=0)], -1)  # [T*k]; -1: not here
         held = local >= 0
         if held.any():
             order = torch.argsort(local.masked_fill(~held, len(self.expert_ids)), stable=True)

@@ -34,7 +34,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class WeightSelection:
     """Which tensors a process holds.
 
-    attention       embeddings, attention, norms, routers, dense MLPs and the LM head
+    attention       embeddings, attention, norms and the LM head
+    routers         the MoE gates
+    dense_mlp       the MLPs of dense layers
     shared_experts  the shared experts of MoE layers
     experts         logical ids of the routed experts to hold; ``None`` means all
     """
@@ -42,18 +44,22 @@ class WeightSelection:
     attention: bool = True
     shared_experts: bool = True
     experts: frozenset[int] | None = None
+    routers: bool = True
+    dense_mlp: bool = True
 
     @classmethod
     def full(cls) -> "WeightSelection":
         return cls()
 
     @classmethod
-    def attention_only(cls, shared_experts: bool = True) -> "WeightSelection":
-        return cls(attention=True, shared_experts=shared_experts, experts=frozenset())
+    def attention_only(cls, shared_experts: bool = True, routers: bool = True, dense_mlp: bool = True) -> "WeightSelection":
+        return cls(attention=True, shared_experts=shared_experts, experts=frozenset(), routers=routers, dense_mlp=dense_mlp)
 
     @classmethod
-    def experts_only(cls, expert_ids: Iterable[int], shared_experts: bool = False) -> "WeightSelection":
-        return cls(attention=False, shared_experts=shared_experts, experts=frozenset(expert_ids))
+    def experts_only(
+        cls, expert_ids: Iterable[int], shared_experts: bool = False, routers: bool = False, dense_mlp: bool = False
+    ) -> "WeightSelection":
+        return cls(attention=False, shared_experts=shared_experts, experts=frozenset(expert_ids), routers=routers, dense_mlp=dense_mlp)
 
     def held_experts(self, num_experts: int) -> list[int]:
         if self.experts is None:
@@ -100,6 +106,10 @@ def _category(param: str) -> str:
         return "experts"
     if ".mlp.shared_experts." in param:
         return "shared_experts"
+    if param.endswith(".mlp.gate.weight"):
+        return "routers"
+    if ".mlp." in param:
+        return "dense_mlp"
     return "attention"
 
 
@@ -168,7 +178,13 @@ def load_model(
             f"{', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}"
         )
 
-    wanted = {"attention": selection.attention, "shared_experts": selection.shared_experts, "experts": True}
+    wanted = {
+        "attention": selection.attention,
+        "routers": selection.routers,
+        "dense_mlp": selection.dense_mlp,
+        "shared_experts": selection.shared_experts,
+        "experts": True,
+    }
     plan = [c for c in _plan(model, held) if wanted[_category(c.param)]]
     if config.tie_word_embeddings and "lm_head.weight" not in available:
         plan = [replace(c, source="model.embed_tokens.weight") if c.source == "lm_head.weight" else c for c in plan]

@@ -1,0 +1,176 @@
+"""Connector endpoints: the attention side's paired ``dispatch``/``combine``, the FFN side's work loop I/O.
+
+``dispatch`` ships one layer's FFN input to the FFN ranks that must see it and
+returns a :class:`DispatchHandle`; ``combine`` takes that handle, receives
+every expected partial result (checked against the handle: kind, source rank,
+sequence, layer, micro-batch, row count, shapes) and adds them **in FFN-rank
+order**, never in arrival order, so the sum is the same every run.
+
+Bytes per token per MoE layer (wire dtype b bytes, hidden H, top-k k, F FFN ranks):
+
+* gate on attention: for each FFN rank r owning >= 1 of the token's experts,
+  dispatch ``H*b + 8k`` (hidden, int32 ids, fp32 weights) and combine ``H*b``;
+  so ``sum over tokens of n_t * (2*H*b + 8k)`` with n_t = ranks the token reaches;
+* gate on FFN: every token to every rank: ``F * 2*H*b``;
+* shared experts on the FFN side: the designated rank receives every token
+  (``2*H*b + 8k`` for tokens not otherwise routed there);
+* dense layer on the FFN side: ``2*H*b`` per token to the designated rank.
+
+Plus one header per message (48 bytes + 7 per tensor + 4 per dimension).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from afd.connectors.protocol import Header, Kind, Message, Op, ProtocolError, Role, TensorName, make_message
+from afd.connectors.transport import ConnectorTimeout, Mailbox
+from afd.distributed.topology import ExpertPlacement, Topology
+from afd.types import Routing
+
+
+class RemoteError(RuntimeError):
+    """An FFN rank reported an error instead of a result."""
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchHandle:
+    """Joins a dispatch to its combine: what was sent where, for which (seq, layer, micro-batch)."""
+
+    seq: int
+    layer: int
+    microbatch: int
+    num_tokens: int
+    rows: dict[int, torch.Tensor]  # FFN rank -> [n_r] row indices of the batch it received
+
+
+class AttentionEndpoint:
+    def __init__(self, mailbox: Mailbox, topology: Topology, placement: ExpertPlacement, timeout: float = 60.0) -> None:
+        self.mailbox = mailbox
+        self.topology = topology
+        self.rank = mailbox.index
+        self.owner = torch.tensor(placement.expert_to_rank, dtype=torch.long)  # [E] logical expert -> FFN rank
+        self.timeout = timeout
+        self.designated = topology.designated_ffn_rank(self.rank)
+
+    def dispatch(
+        self,
+        layer: int,
+        seq: int,
+        ffn_input: torch.Tensor,
+        routing: Routing | None,
+        is_moe: bool,
+        microbatch: int = 0,
+    ) -> DispatchHandle:
+        """Send ``ffn_input [T, H]`` (and, with gate on attention, ``routing``) to the FFN ranks that need it."""
+        t = self.topology
+        num_tokens = ffn_input.shape[0]
+        all_rows = torch.arange(num_tokens)
+        plan: dict[int, tuple[torch.Tensor, Op, dict[TensorName, torch.Tensor]]] = {}
+        if not is_moe:  # a dense layer placed on the FFN side
+            plan[self.designated] = (all_rows, Op.DENSE, {TensorName.HIDDEN: ffn_input})
+        elif t.gate == "ffn":
+            for r in range(t.num_ffn_ranks):
+                ops = Op.ROUTE | Op.ROUTED | (Op.SHARED if self._shared_here(r) else Op.NONE)
+                plan[r] = (all_rows, ops, {TensorName.HIDDEN: ffn_input})
+        else:
+            assert routing is not None
+            owner = self.owner[routing.topk_ids]  # [T, k] FFN rank of each selected expert
+            for r in range(t.num_ffn_ranks):
+                mine = owner == r  # [T, k]
+                shared = self._shared_here(r)
+                rows = all_rows if shared else mine.any(dim=1).nonzero().flatten()
+                if rows.numel() == 0:
+                    continue
+                ids = torch.where(mine, routing.topk_ids, -1)[rows].to(torch.int32)
+                plan[r] = (
+                    rows,
+                    Op.ROUTED | (Op.SHARED if shared else Op.NONE),
+                    {
+                        TensorName.HIDDEN: ffn_input[rows],
+                        TensorName.EXPERT_IDS: ids,
+                        TensorName.WEIGHTS: routing.topk_weights[rows].float(),
+                    },
+                )
+        for r, (rows, ops, tensors) in plan.items():
+            header = Header(Kind.WORK, Role.ATTENTION, self.rank, r, layer, microbatch, seq, len(rows), ops)
+            self.mailbox.send(r, make_message(header, tensors))
+        return DispatchHandle(seq, layer, microbatch, num_tokens, {r: rows for r, (rows, _, _) in plan.items()})
+
+    def _shared_here(self, ffn_rank: int) -> bool:
+        return self.topology.shared_experts_on == "ffn" and ffn_rank == self.designated
+
+    def combine(self, handle: DispatchHandle, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+        """Receive every partial result of ``handle``; return their sum [T, H], added in FFN-rank order."""
+        partial: dict[int, torch.Tensor] = {}
+        deadline = time.monotonic() + self.timeout
+        me = self.mailbox.name
+        while len(partial) < len(handle.rows):
+            left = deadline - time.monotonic()
+            msg = self.mailbox.recv(max(0.0, left)) if left > 0 else None
+            if msg is None:
+                waiting = sorted(set(handle.rows) - set(partial))
+                raise ConnectorTimeout(
+                    f"{me}: no result from FFN ranks {waiting} for layer {handle.layer} seq {handle.seq} "
+                    f"within {self.timeout:.0f} s"
+                )
+            h = msg.header
+            if h.kind == Kind.ERROR:
+                text = bytes(msg.get(TensorName.TEXT).tolist()).decode(errors="replace")
+                raise RemoteError(f"{me}: {h.source} failed: {text}")
+            if h.kind == Kind.HEARTBEAT:
+                continue
+            h.expect(me, kind=Kind.RESULT, seq=handle.seq, layer=handle.layer, microbatch=handle.microbatch)
+            r = h.src_index
+            if r not in handle.rows or r in partial:
+                raise ProtocolError(f"{me}: unexpected result from {h.source} for layer {h.layer} seq {h.seq}")
+            rows = handle.rows[r]
+            out = msg.get(TensorName.OUTPUT)
+            if h.num_tokens != len(rows) or tuple(out.shape) != (len(rows), hidden_size):
+                raise ProtocolError(
+                    f"{me}: result from {h.source} has {h.num_tokens} rows of shape {list(out.shape)}, "
+                    f"expected {len(rows)} x {hidden_size}"
+                )
+            partial[r] = out
+        total = torch.zeros(handle.num_tokens, hidden_size, dtype=dtype)
+        for r in sorted(partial):  # fixed rank order, never arrival order
+            total.index_add_(0, handle.rows[r], partial[r].to(dtype))
+        return total
+
+    def shutdown(self) -> None:
+        for r in range(self.topology.num_ffn_ranks):
+            self.mailbox.send(r, make_message(Header(Kind.SHUTDOWN, Role.ATTENTION, self.rank, r), {}))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    header: Header
+    hidden: torch.Tensor  # [n, H]
+    routing: Routing | None  # ids [n, k] (-1: not for this rank), weights [n, k]
+
+
+def parse_work(msg: Message, receiver: str) -> WorkItem:
+    h = msg.header
+    hidden = msg.get(TensorName.HIDDEN)
+    if hidden.dim() != 2 or hidden.shape[0] != h.num_tokens:
+        raise ProtocolError(f"{receiver}: work from {h.source} declares {h.num_tokens} tokens, hidden is {list(hidden.shape)}")
+    routing = None
+    if Op.ROUTED in h.ops and Op.ROUTE not in h.ops:
+        ids, weights = msg.get(TensorName.EXPERT_IDS), msg.get(TensorName.WEIGHTS)
+        if ids.shape != weights.shape or ids.shape[0] != h.num_tokens:
+            raise ProtocolError(f"{receiver}: work from {h.source}: ids {list(ids.shape)} / weights {list(weights.shape)} for {h.num_tokens} tokens")
+        routing = Routing(ids.long(), weights)
+    return WorkItem(h, hidden, routing)
+
+
+def result_message(work: Header, ffn_rank: int, output: torch.Tensor) -> Message:
+    header = Header(Kind.RESULT, Role.FFN, ffn_rank, work.src_index, work.layer, work.microbatch, work.seq, output.shape[0], work.ops)
+    return make_message(header, {TensorName.OUTPUT: output})
+
+
+def error_message(ffn_rank: int, dst: int, text: str) -> Message:
+    data = torch.tensor(list(text.encode()[:4000]), dtype=torch.uint8)
+    return make_message(Header(Kind.ERROR, Role.FFN, ffn_rank, dst, num_tokens=len(data)), {TensorName.TEXT: data})

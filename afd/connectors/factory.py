@@ -1,0 +1,33 @@
+"""Build a rank's mailbox for the run's transport."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from afd.connectors.protocol import Role
+from afd.connectors.transport import LoopbackHub, LoopbackMailbox, Mailbox
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """How the ranks of one run reach each other (picklable; the loopback hub is passed separately)."""
+
+    transport: str
+    run_dir: Path
+    num_slots: int = 4
+    slot_bytes: int = 1 << 20
+    connect_timeout: float = 30.0
+    io_log: bool = False
+
+
+def make_mailbox(spec: LinkSpec, role: Role, index: int, num_peers: int, hub: LoopbackHub | None = None) -> Mailbox:
+    if spec.transport == "loopback":
+        if hub is None:
+            raise ValueError("the loopback transport needs the run's LoopbackHub (ranks must be threads of one process)")
+        return LoopbackMailbox(hub, role, index, num_peers, spec.io_log)
+    if spec.transport == "shm":
+        from afd.connectors.shm import ShmMailbox
+
+        return ShmMailbox(spec.run_dir, role, index, num_peers, spec.num_slots, spec.slot_bytes, spec.connect_timeout, spec.io_log)
+    raise ValueError(f"transport {spec.transport!r} is not available yet; use loopback or shm")

@@ -1,0 +1,217 @@
+"""The wire protocol between attention and FFN ranks.
+
+Every message is one frame: a fixed header, a tensor table, then the tensors'
+bytes in table order. The header carries everything a receiver needs to pair
+a message without trusting arrival order, and to check it before touching the
+payload:
+
+    magic 'AFD1' | version | kind | ops | src role | src index | dst index
+    | layer | micro-batch | step sequence | token count | tensor count | payload bytes
+
+Pairing key: (source rank, sequence, layer, micro-batch). A receiver checks
+every field (:meth:`Header.expect`) and raises :class:`ProtocolError` naming
+both ranks on any mismatch instead of mispairing tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, field
+
+import torch
+
+MAGIC = b"AFD1"
+PROTOCOL_VERSION = 1
+
+_FIXED = struct.Struct("<4sHBBBHHiHQIBQ")  # see module docstring, in order
+_TENSOR = struct.Struct("<BBB")  # name, dtype, ndim; then ndim x uint32 dims
+_DIM = struct.Struct("<I")
+
+
+class ProtocolError(RuntimeError):
+    """A message that does not match what the receiver expects; names both ranks."""
+
+
+class Kind(enum.IntEnum):
+    HELLO = 0
+    WORK = 1
+    RESULT = 2
+    HEARTBEAT = 3
+    SHUTDOWN = 4
+    ERROR = 5
+
+
+class Op(enum.IntFlag):
+    """What the FFN side computes for a work item."""
+
+    NONE = 0
+    ROUTED = 1  # routed experts over the given expert ids and weights
+    SHARED = 2  # shared experts over every row
+    DENSE = 4  # the dense MLP of a dense layer
+    ROUTE = 8  # run the router on the FFN side (gate placement "ffn")
+
+
+class Role(enum.IntEnum):
+    ATTENTION = 0
+    FFN = 1
+
+
+class TensorName(enum.IntEnum):
+    HIDDEN = 0  # [n, H] ffn_input rows
+    EXPERT_IDS = 1  # [n, k] int32 logical expert ids, -1 = not for this rank
+    WEIGHTS = 2  # [n, k] float32 combine weights
+    OUTPUT = 3  # [n, H] partial FFN output rows
+    TEXT = 4  # [n] uint8: an error message
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8, torch.float8_e4m3fn]
+_DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
+
+
+def rank_name(role: Role, index: int) -> str:
+    return f"{'attention' if role == Role.ATTENTION else 'ffn'} rank {index}"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: TensorName
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    kind: Kind
+    src_role: Role
+    src_index: int
+    dst_index: int
+    layer: int = -1
+    microbatch: int = 0
+    seq: int = 0
+    num_tokens: int = 0
+    ops: Op = Op.NONE
+    tensors: tuple[TensorSpec, ...] = ()
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def source(self) -> str:
+        return rank_name(self.src_role, self.src_index)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(t.num_bytes for t in self.tensors)
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.src_index, self.seq, self.layer, self.microbatch)
+
+    def pack(self) -> bytes:
+        parts = [
+            _FIXED.pack(
+                MAGIC, self.version, self.kind, self.ops, self.src_role, self.src_index, self.dst_index,
+                self.layer, self.microbatch, self.seq, self.num_tokens, len(self.tensors), self.payload_bytes,
+            )
+        ]
+        for t in self.tensors:
+            parts.append(_TENSOR.pack(t.name, _DTYPE_CODE[t.dtype], len(t.shape)))
+            parts.extend(_DIM.pack(d) for d in t.shape)
+        return b"".join(parts)
+
+    @classmethod
+    def unpack(cls, buf: bytes | memoryview, receiver: str) -> tuple["Header", int]:
+        """Parse a header; returns it and its length in bytes. Raises ProtocolError on garbage."""
+        if len(buf) < _FIXED.size:
+            raise ProtocolError(f"{receiver}: truncated header ({len(buf)} bytes)")
+        (magic, version, kind, ops, role, src, dst, layer, mb, seq, ntok, ntensors, payload) = _FIXED.unpack_from(buf, 0)
+        if magic != MAGIC:
+            raise ProtocolError(f"{receiver}: bad magic {bytes(magic)!r} (expected {MAGIC!r}): corrupted or foreign message")
+        try:
+            kind, role = Kind(kind), Role(role)
+        except ValueError:
+            raise ProtocolError(f"{receiver}: unknown message kind {kind} or role {role}") from None
+        sender = rank_name(role, src)
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"{receiver}: protocol version {version} from {sender}, this side speaks {PROTOCOL_VERSION}")
+        off = _FIXED.size
+        specs = []
+        for _ in range(ntensors):
+            if len(buf) < off + _TENSOR.size:
+                raise ProtocolError(f"{receiver}: truncated tensor table from {sender}")
+            name, dcode, ndim = _TENSOR.unpack_from(buf, off)
+            off += _TENSOR.size
+            if dcode >= len(DTYPES) or name not in TensorName._value2member_map_:
+                raise ProtocolError(f"{receiver}: bad tensor entry (name {name}, dtype {dcode}) from {sender}")
+            shape = tuple(_DIM.unpack_from(buf, off + 4 * i)[0] for i in range(ndim))
+            off += 4 * ndim
+            specs.append(TensorSpec(TensorName(name), DTYPES[dcode], shape))
+        header = cls(kind, role, src, dst, layer, mb, seq, ntok, Op(ops), tuple(specs), version)
+        if header.payload_bytes != payload:
+            raise ProtocolError(
+                f"{receiver}: header from {sender} declares {payload} payload bytes but its tensor table sums to {header.payload_bytes}"
+            )
+        return header, off
+
+    def expect(self, receiver: str, **fields) -> None:
+        """Fail loudly unless every given field has the expected value."""
+        wrong = [f"{k}={getattr(self, k)!r} (expected {v!r})" for k, v in fields.items() if getattr(self, k) != v]
+        if wrong:
+            raise ProtocolError(f"{receiver}: message from {self.source} does not pair: {', '.join(wrong)}")
+
+
+@dataclass(slots=True)
+class Message:
+    header: Header
+    tensors: dict[TensorName, torch.Tensor] = field(default_factory=dict)
+
+    def get(self, name: TensorName) -> torch.Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ProtocolError(f"message from {self.header.source} has no {name.name} tensor") from None
+
+
+def make_message(header: Header, tensors: dict[TensorName, torch.Tensor]) -> Message:
+    """Fill the header's tensor table from the tensors (CPU, contiguous)."""
+    specs = tuple(TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
+    h = Header(
+        header.kind, header.src_role, header.src_index, header.dst_index, header.layer, header.microbatch,
+        header.seq, header.num_tokens, header.ops, specs,
+    )
+    return Message(h, dict(tensors))
+
+
+def encode(message: Message) -> tuple[bytes, list[torch.Tensor]]:
+    """-> (header bytes, tensors to put on the wire after it, in table order)."""
+    return message.header.pack(), [message.tensors[s.name].contiguous() for s in message.header.tensors]
+
+
+def decode_payload(header: Header, payload: bytes | memoryview, receiver: str) -> Message:
+    """Split a contiguous payload into the header's tensors (copies out of the transport's buffer)."""
+    if len(payload) != header.payload_bytes:
+        raise ProtocolError(
+            f"{receiver}: truncated payload from {header.source}: {len(payload)} of {header.payload_bytes} bytes "
+            f"(layer {header.layer}, seq {header.seq})"
+        )
+    tensors, off = {}, 0
+    for spec in header.tensors:
+        n = spec.num_bytes
+        raw = torch.frombuffer(bytearray(payload[off : off + n]), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+        tensors[spec.name] = raw.view(spec.dtype).reshape(spec.shape)
+        off += n
+    return Message(header, tensors)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor (no copy)."""
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")

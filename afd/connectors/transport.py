@@ -1,0 +1,159 @@
+"""Transports behind one interface: a rank's :class:`Mailbox`.
+
+A mailbox sends a message to one peer on the other side and receives the next
+message from any peer. Every receive has a timeout; a peer whose end of the
+link closes (its process died) raises :class:`PeerDiedError` naming it.
+Transports copy bytes exactly: a message arrives as the same header bytes and
+payload bytes that were sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from afd.connectors.faults import inject
+from afd.connectors.protocol import Header, Kind, Message, ProtocolError, Role, decode_payload, encode, rank_name, tensor_bytes
+
+log = logging.getLogger(__name__)
+
+
+class PeerDiedError(RuntimeError):
+    """The other end of a link is gone (process exited, link closed)."""
+
+
+class ConnectorTimeout(TimeoutError):
+    """A wait on a link ran past its timeout."""
+
+
+@dataclass
+class LinkStats:
+    messages_sent: int = 0
+    messages_received: int = 0
+    bytes_sent: int = 0  # header + payload
+    bytes_received: int = 0
+    payload_bytes_sent: dict[int, int] = field(default_factory=dict)  # per peer
+
+
+class Mailbox(ABC):
+    """One rank's end of all its links: (role, index) talks to every rank of the other side."""
+
+    def __init__(self, role: Role, index: int, num_peers: int, io_log: bool = False) -> None:
+        self.role = role
+        self.index = index
+        self.num_peers = num_peers
+        self.name = rank_name(role, index)
+        self.peer_role = Role.FFN if role == Role.ATTENTION else Role.ATTENTION
+        self.stats = LinkStats()
+        self.io_log = io_log
+        self.fault: tuple[str, int] | None = None  # (kind, n): corrupt the n-th work message (tests)
+        self._work_sent = 0
+
+    def peer_name(self, peer: int) -> str:
+        return rank_name(self.peer_role, peer)
+
+    def send(self, peer: int, message: Message) -> None:
+        header_bytes, tensors = encode(message)
+        payload = [tensor_bytes(t) for t in tensors]
+        if self.fault is not None and message.header.kind == Kind.WORK:
+            self._work_sent += 1
+            if self._work_sent == self.fault[1]:
+                header_bytes, payload = inject(self.fault[0], message.header, header_bytes, payload)
+        self._send(peer, header_bytes, payload)
+        n_payload = sum(len(p) for p in payload)
+        self.stats.messages_sent += 1
+        self.stats.bytes_sent += len(header_bytes) + n_payload
+        self.stats.payload_bytes_sent[peer] = self.stats.payload_bytes_sent.get(peer, 0) + n_payload
+        if self.io_log:
+            log.info("%s -> %s: %s", self.name, self.peer_name(peer), _describe(message.header))
+
+    def recv(self, timeout: float) -> Message | None:
+        """The next message from any peer, or None after ``timeout`` seconds."""
+        got = self._recv(timeout)
+        if got is None:
+            return None
+        peer, raw_header, payload = got
+        payload_len = len(payload)
+        try:
+            header, n = Header.unpack(raw_header, self.name + f" (link from {self.peer_name(peer)})")
+            if header.src_role != self.peer_role or header.src_index != peer or header.dst_index != self.index:
+                raise ProtocolError(
+                    f"{self.name}: message on the link from {self.peer_name(peer)} claims to come from {header.source} "
+                    f"to index {header.dst_index}"
+                )
+            message = decode_payload(header, payload, self.name)
+        finally:
+            if isinstance(payload, memoryview):
+                payload.release()
+            self._release()
+        self.stats.messages_received += 1
+        self.stats.bytes_received += n + payload_len
+        if self.io_log:
+            log.info("%s <- %s: %s", self.name, header.source, _describe(header))
+        return message
+
+    @abstractmethod
+    def _send(self, peer: int, header: bytes, payload: list[memoryview]) -> None: ...
+
+    @abstractmethod
+    def _recv(self, timeout: float) -> tuple[int, bytes, bytes | memoryview] | None: ...
+
+    def _release(self) -> None:
+        """Give the transport's receive buffer back (after the payload was copied out)."""
+
+    def close(self) -> None:
+        pass
+
+
+def _describe(h: Header) -> str:
+    tensors = ", ".join(f"{t.name.name}{list(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in h.tensors)
+    return f"{h.kind.name} ops={int(h.ops)} layer={h.layer} mb={h.microbatch} seq={h.seq} tokens={h.num_tokens} [{tensors}]"
+
+
+# ----------------------------------------------------------------------------- loopback
+
+
+class LoopbackHub:
+    """In-process links for ranks that are threads of one process (tests, debugging)."""
+
+    def __init__(self) -> None:
+        self._inboxes: dict[tuple[Role, int], queue.Queue] = {}
+        self._lock = threading.Lock()
+        self.closed = threading.Event()
+
+    def inbox(self, role: Role, index: int) -> queue.Queue:
+        with self._lock:
+            return self._inboxes.setdefault((role, index), queue.Queue())
+
+    def close(self) -> None:
+        """Wake every receiver: links are gone (a rank failed or the run ends)."""
+        self.closed.set()
+        with self._lock:
+            for q in self._inboxes.values():
+                q.put(None)
+
+
+class LoopbackMailbox(Mailbox):
+    def __init__(self, hub: LoopbackHub, role: Role, index: int, num_peers: int, io_log: bool = False) -> None:
+        super().__init__(role, index, num_peers, io_log)
+        self.hub = hub
+        self._inbox = hub.inbox(role, index)
+
+    def _send(self, peer: int, header: bytes, payload: list[memoryview]) -> None:
+        if self.hub.closed.is_set():
+            raise PeerDiedError(f"{self.name}: links are closed, cannot send to {self.peer_name(peer)}")
+        data = b"".join(bytes(p) for p in payload)  # a copy, as a real transport makes
+        self.hub.inbox(self.peer_role, peer).put((self.index, bytes(header), data))
+
+    def _recv(self, timeout: float):
+        try:
+            item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if item is None:
+            self._inbox.put(None)  # keep waking later receivers
+            raise PeerDiedError(f"{self.name}: links closed while waiting (a rank of this run failed)")
+        return item

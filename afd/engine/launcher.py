@@ -1,0 +1,268 @@
+"""Start, watch and stop every rank of a disaggregated run on one host.
+
+* The topology is validated before anything starts; a bad one starts nothing.
+* Every process carries ``AFD_RUN_ID`` in its environment, so leftovers can be found.
+* Ranks start in :func:`build_launch_order`; each reports READY (with the tensors
+  it holds and the bytes it read) within ``ready_timeout``.
+* While the launcher waits for anything it also watches every rank: a rank that
+  exits or reports an error fails the whole job at once, naming the rank, its
+  role and the reason, and every other rank is stopped.
+* :meth:`Cluster.shutdown` is idempotent and leaves no process behind: polite
+  SHUTDOWN, then SIGTERM, then SIGKILL; children also die with the launcher
+  (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Sequence
+
+from afd.config import SamplingParams
+from afd.connectors.factory import LinkSpec
+from afd.connectors.protocol import Role
+from afd.connectors.transport import LoopbackHub
+from afd.distributed.topology import Topology, validate_topology
+from afd.engine.ranks import EngineArgs, RankSpec, ReadyReport, run_rank
+from afd.engine.request import RequestOutput
+from afd.models.hf_config import load_model_config
+
+log = logging.getLogger(__name__)
+
+
+class RankFailedError(RuntimeError):
+    """A rank died or reported an error; the whole job was stopped."""
+
+
+def build_launch_order(topology: Topology) -> list[tuple[Role, int]]:
+    """The one place that decides start order. Links are created by the launcher before any rank
+    starts and every rank opens its read ends before its write ends, so no order can deadlock;
+    FFN ranks go first so that they are serving when the first attention rank is READY."""
+    return [(Role.FFN, f) for f in range(topology.num_ffn_ranks)] + [
+        (Role.ATTENTION, a) for a in range(topology.num_attention_ranks)
+    ]
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+@dataclass
+class _Rank:
+    spec: RankSpec
+    conn: Connection
+    proc: Any  # mp.Process or threading.Thread
+    ready: ReadyReport | None = None
+    done: bool = False  # said bye / exited as asked
+
+    @property
+    def sentinel(self):
+        return getattr(self.proc, "sentinel", None)
+
+
+class Cluster:
+    """All ranks of one disaggregated run; the front end that balances requests over attention ranks."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        topology: Topology,
+        engine: EngineArgs = EngineArgs(),
+        ready_timeout: float = 180.0,
+        link_timeout: float = 60.0,
+        io_log: bool = False,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.topology = topology
+        self.engine = engine
+        self.ready_timeout = ready_timeout
+        self.link_timeout = link_timeout
+        self.io_log = io_log
+        config = load_model_config(self.model_dir)
+        self.placement = validate_topology(topology, config.moe.num_experts)  # before any process starts
+        self.model_config = config
+        self.run_id = uuid.uuid4().hex[:12]
+        self.run_dir: Path | None = None
+        self.ranks: list[_Rank] = []
+        self._hub: LoopbackHub | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ start
+    def _slot_bytes(self) -> int:
+        c = self.model_config
+        per_token = c.hidden_size * 4 + c.moe.top_k * 8  # fp32 hidden worst case, int32 ids, fp32 weights
+        return self.engine.max_num_batched_tokens * per_token + 4096
+
+    def start(self) -> "Cluster":
+        t = self.topology
+        os.environ["AFD_RUN_ID"] = self.run_id  # inherited by every rank process
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"afd-{self.run_id}-", dir=base))
+        link = LinkSpec(t.transport, self.run_dir, slot_bytes=self._slot_bytes(), connect_timeout=self.ready_timeout, io_log=self.io_log)
+        if t.transport == "shm":
+            from afd.connectors.shm import create_links
+
+            create_links(self.run_dir, t.num_attention_ranks, t.num_ffn_ranks, link.num_slots, link.slot_bytes)
+        elif t.transport == "loopback":
+            self._hub = LoopbackHub()
+        log.info("run %s: %s, placement %s, run dir %s", self.run_id, t, self.placement.expert_to_rank, self.run_dir)
+        ctx = mp.get_context("spawn")
+        try:
+            for role, index in build_launch_order(t):
+                spec = RankSpec(role, index, self.model_dir, t, self.placement, link, self.engine, self.link_timeout)
+                parent, child = ctx.Pipe()
+                if t.transport == "loopback":
+                    proc = threading.Thread(target=run_rank, args=(spec, child, self._hub, False), name=spec.name, daemon=True)
+                else:
+                    proc = ctx.Process(target=run_rank, args=(spec, child), name=f"afd-{spec.name.replace(' ', '-')}")
+                proc.start()
+                self.ranks.append(_Rank(spec, parent, proc))
+            deadline = time.monotonic() + self.ready_timeout
+            while any(r.ready is None for r in self.ranks):
+                self._poll(deadline, "READY")
+            return self
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ watching
+    def _poll(self, deadline: float, waiting_for: str) -> list[tuple[_Rank, tuple]]:
+        """Wait for messages from ranks; fail fast on any death or error. Returns (rank, message) pairs."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            slow = [r.spec.name for r in self.ranks if r.ready is None]
+            self._fail(f"timed out after {self.ready_timeout:.0f} s waiting for {waiting_for} ({', '.join(slow) or 'results'})")
+        handles = [r.conn for r in self.ranks] + [r.sentinel for r in self.ranks if r.sentinel is not None]
+        ready = wait(handles, timeout=min(left, 0.5))
+        got = []
+        for r in self.ranks:
+            if r.conn in ready:
+                try:
+                    msg = r.conn.recv()
+                except EOFError:
+                    msg = ("error", f"{r.spec.name} closed its control pipe", "")
+                if msg[0] == "error":
+                    self._fail(msg[1], detail=msg[2] if len(msg) > 2 else "")
+                if msg[0] == "ready":
+                    r.ready = msg[1]
+                    log.info("%s READY (pid %d): %d tensors, %.1f MB read", r.spec.name, msg[1].pid, len(msg[1].tensors), msg[1].bytes_read / 1e6)
+                elif msg[0] == "bye":
+                    r.done = True
+                else:
+                    got.append((r, msg))
+        for r in self.ranks:
+            if r.sentinel is not None and r.sentinel in ready and not r.done:
+                if r.conn.poll():  # its last words first
+                    continue
+                r.proc.join(1.0)  # reap it, so the exit code is known
+                self._fail(f"{r.spec.name} (pid {r.proc.pid}) died: {_exit_reason(r.proc.exitcode)}")
+            if r.sentinel is None and not r.proc.is_alive() and not r.done and not r.conn.poll():
+                self._fail(f"{r.spec.name} thread ended unexpectedly")
+        return got
+
+    def _fail(self, reason: str, detail: str = "") -> None:
+        if detail:
+            log.debug("rank failure detail:\n%s", detail)
+        self.shutdown(graceful=False)
+        raise RankFailedError(f"run {self.run_id}: {reason}")
+
+    # ------------------------------------------------------------------ serving
+    def attention_ranks(self) -> list[_Rank]:
+        return [r for r in self.ranks if r.spec.role == Role.ATTENTION]
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+        """Balance prompts over the attention ranks by load (prompt tokens), run them, return in prompt order."""
+        prompts = list(prompts)
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ranks = self.attention_ranks()
+        load = [0] * len(ranks)
+        assigned: list[list[int]] = [[] for _ in ranks]
+        for i, p in enumerate(prompts):
+            r = min(range(len(ranks)), key=lambda k: load[k])
+            assigned[r].append(i)
+            load[r] += len(p) + per_prompt[i].max_tokens
+        busy = {}
+        for r, idx in zip(ranks, assigned):
+            if idx:
+                r.conn.send(("generate", [prompts[i] for i in idx], [per_prompt[i] for i in idx]))
+                busy[id(r)] = idx
+        results: dict[int, RequestOutput] = {}
+        deadline = time.monotonic() + 24 * 3600
+        while busy:
+            for r, msg in self._poll(deadline, "results"):
+                if msg[0] == "outputs" and id(r) in busy:
+                    for i, out in zip(busy.pop(id(r)), msg[1]):
+                        results[i] = out
+        return [results[i] for i in range(len(prompts))]
+
+    def request(self, rank: int, command: tuple, reply: str, timeout: float = 600.0):
+        """Send one command to an attention rank and wait for its reply (tests, stats, capture)."""
+        target = self.attention_ranks()[rank]
+        target.conn.send(command)
+        deadline = time.monotonic() + timeout
+        while True:
+            for r, msg in self._poll(deadline, reply):
+                if r is target and msg[0] == reply:
+                    return msg[1]
+
+    def pids(self) -> list[int]:
+        return [r.proc.pid for r in self.ranks if getattr(r.proc, "pid", None)]
+
+    # ------------------------------------------------------------------ stopping
+    def shutdown(self, graceful: bool = True, timeout: float = 10.0) -> None:
+        """Stop every rank. Idempotent; safe after a failure or from ``finally``."""
+        if self._closed:
+            return
+        self._closed = True
+        if graceful:
+            for r in self.attention_ranks():
+                try:
+                    if r.ready is not None:
+                        r.conn.send(("shutdown",))
+                except (OSError, BrokenPipeError):
+                    pass
+            deadline = time.monotonic() + timeout
+            for r in self.ranks:
+                r.proc.join(max(0.0, deadline - time.monotonic()))
+        if self._hub is not None:
+            self._hub.close()
+        for r in self.ranks:
+            proc = r.proc
+            if isinstance(proc, threading.Thread):
+                proc.join(timeout=2.0)
+                continue
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        for r in self.ranks:
+            r.conn.close()
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        if os.environ.get("AFD_RUN_ID") == self.run_id:
+            del os.environ["AFD_RUN_ID"]
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown(graceful=exc[0] is None)

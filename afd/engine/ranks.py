@@ -1,0 +1,187 @@
+"""What each rank of a disaggregated run does, from start to exit.
+
+A rank is a process (shm transport) or a thread (loopback). It loads only its
+own weights, opens its links, reports READY with the tensors it holds and the
+bytes it read, then serves: an attention rank runs an engine replica on the
+requests the launcher sends it; an FFN rank runs the worker loop until every
+attention rank has said SHUTDOWN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from afd import env
+from afd.attention.runner import DisaggregatedRunner
+from afd.config import EngineConfig
+from afd.connectors.endpoints import AttentionEndpoint
+from afd.connectors.factory import LinkSpec, make_mailbox
+from afd.connectors.protocol import Role, rank_name
+from afd.distributed.topology import DeviceSpec, ExpertPlacement, Topology
+from afd.engine.llm_engine import LLMEngine, cache_config_for
+from afd.engine.tokenizer import Tokenizer
+from afd.ffn.worker import FFNWorker
+from afd.kvcache import BlockManager, SeqChunk
+from afd.models import WeightSelection, load_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    dtype: str = "auto"
+    kv_cache_memory: int = 256 << 20
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    role: Role
+    index: int
+    model_dir: Path
+    topology: Topology
+    placement: ExpertPlacement
+    link: LinkSpec
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    link_timeout: float = 60.0
+
+    @property
+    def name(self) -> str:
+        return rank_name(self.role, self.index)
+
+    @property
+    def device(self) -> DeviceSpec:
+        devices = self.topology.attention_devices if self.role == Role.ATTENTION else self.topology.ffn_devices
+        return devices[self.index]
+
+
+@dataclass(frozen=True)
+class ReadyReport:
+    rank: str
+    pid: int
+    tensors: tuple[str, ...]
+    bytes_read: int
+
+
+def selection_for(spec: RankSpec) -> WeightSelection:
+    t = spec.topology
+    if spec.role == Role.ATTENTION:
+        return WeightSelection.attention_only(
+            shared_experts=t.shared_experts_on == "attention",
+            routers=t.gate == "attention",
+            dense_mlp=t.dense_on == "attention",
+        )
+    designated = any(t.designated_ffn_rank(a) == spec.index for a in range(t.num_attention_ranks))
+    return WeightSelection.experts_only(
+        spec.placement.experts_of(spec.index),
+        shared_experts=t.shared_experts_on == "ffn" and designated,
+        routers=t.gate == "ffn",
+        dense_mlp=t.dense_on == "ffn" and designated,
+    )
+
+
+def _setup_process(spec: RankSpec, is_process: bool) -> None:
+    if is_process:
+        try:  # die with the launcher, whatever kills it
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+        logging.basicConfig(level=logging.INFO if env.io_log() else logging.WARNING, stream=sys.stderr,
+                            format=f"%(asctime)s {spec.name} %(levelname)s %(name)s: %(message)s")
+        cores = spec.device.cores
+        if cores:
+            os.sched_setaffinity(0, cores)
+        torch.set_num_threads(env.num_threads() or (len(cores) if cores else 1))
+
+
+def run_rank(spec: RankSpec, conn, hub=None, is_process: bool = True) -> None:
+    """Entry point of every rank; reports an exception to the launcher before exiting non-zero."""
+    try:
+        _setup_process(spec, is_process)
+        if spec.role == Role.ATTENTION:
+            _attention_main(spec, conn, hub)
+        else:
+            _ffn_main(spec, conn, hub)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
+        detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+        try:
+            conn.send(("error", f"{spec.name} (pid {os.getpid()}) failed: {detail}", traceback.format_exc()))
+        except Exception:
+            pass
+        if is_process:
+            os._exit(1)
+        raise
+
+
+def _load(spec: RankSpec):
+    model, report = load_model(spec.model_dir, dtype=spec.engine.dtype, selection=selection_for(spec), device=spec.device.torch_device)
+    return model, ReadyReport(spec.name, os.getpid(), report.tensors, report.bytes_read)
+
+
+def _attention_main(spec: RankSpec, conn, hub) -> None:
+    model, ready = _load(spec)
+    t = spec.topology
+    mailbox = make_mailbox(spec.link, Role.ATTENTION, spec.index, t.num_ffn_ranks, hub)
+    fault = env.fault()
+    if fault is not None and spec.index == 0:
+        mailbox.fault = fault
+    endpoint = AttentionEndpoint(mailbox, t, spec.placement, spec.link_timeout)
+    e = spec.engine
+    dtype = model.model.embed_tokens.weight.dtype
+    cache = cache_config_for(model, e.kv_cache_memory, e.block_size, dtype)
+    runner = DisaggregatedRunner(model, cache, endpoint, t)
+    config = EngineConfig(cache=cache, max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+                          dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+    engine = LLMEngine(model, Tokenizer(spec.model_dir), config, runner)
+    conn.send(("ready", ready))
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "generate":
+                _, prompts, params = cmd
+                conn.send(("outputs", engine.generate(prompts, params)))
+            elif cmd[0] == "capture":
+                conn.send(("capture", _capture(engine, cmd[1])))
+            elif cmd[0] == "stats":
+                conn.send(("stats", mailbox.stats))
+            elif cmd[0] == "shutdown":
+                endpoint.shutdown()
+                conn.send(("bye", mailbox.stats))
+                return
+            else:
+                raise ValueError(f"unknown command {cmd[0]!r}")
+    finally:
+        mailbox.close()
+
+
+def _capture(engine: LLMEngine, prompts: list[list[int]]) -> tuple[dict, torch.Tensor]:
+    """One prefill batch of token-id prompts with every boundary captured (for parity checks)."""
+    values: dict = {}
+    blocks = BlockManager(engine.config.cache.num_blocks, engine.config.cache.block_size)
+    chunks = [SeqChunk(blocks.ensure(i, len(p)), 0, len(p)) for i, p in enumerate(prompts)]
+    logits = engine.runner.execute([t for p in prompts for t in p], chunks,
+                                   observer=lambda layer, b, x: values.__setitem__((layer, b), x.clone()))
+    return values, logits
+
+
+def _ffn_main(spec: RankSpec, conn, hub) -> None:
+    model, ready = _load(spec)
+    mailbox = make_mailbox(spec.link, Role.FFN, spec.index, spec.topology.num_attention_ranks, hub)
+    conn.send(("ready", ready))
+    try:
+        worker = FFNWorker(model, mailbox, spec.topology.num_attention_ranks)
+        worker.serve()
+        conn.send(("bye", mailbox.stats))
+    finally:
+        mailbox.close()
