@@ -13,7 +13,8 @@ from pathlib import Path
 VARIABLES: dict[str, str] = {
     "AFD_MODEL": "default model directory for every command (overrides the built-in model)",
     "AFD_NUM_THREADS": "torch intra-op threads per process (default: torch's own choice)",
-    "AFD_RUN_ID": "per-run id set by the launcher on every process it starts",
+    "AFD_RUN_ID": "per-run id the launcher sets on every process it starts (a supervisor may preset it)",
+    "AFD_RANK": "set by the launcher on each rank process: its name, e.g. 'ffn rank 1'",
     "AFD_IO_LOG": "1: log every connector send and receive header (INFO level)",
     "AFD_FAULT": "testing only: inject a protocol fault on attention rank 0's N-th work message "
     "(corrupt-header|wrong-layer|wrong-seq|truncate[@N], default N=3)",

@@ -196,3 +196,67 @@ class Capture:
 
     def __getitem__(self, key):
         return self.values[key]
+
+
+@torch.no_grad()
+def monolithic_capture(model, prompts: list[list[int]]):
+    """The monolithic reference: one prefill batch with every boundary captured."""
+    from afd.config import CacheConfig
+    from afd.engine.runner import ModelRunner
+    from afd.kvcache import BlockManager, SeqChunk
+
+    runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=64))
+    blocks = BlockManager(64, 16)
+    chunks = [SeqChunk(blocks.ensure(i, len(p)), 0, len(p)) for i, p in enumerate(prompts)]
+    cap = Capture()
+    logits = runner.execute([t for p in prompts for t in p], chunks, observer=cap)
+    return cap.values, logits
+
+
+def split_parity_failures(model, ref_values, ref_logits, values, logits, check_topk: bool = True) -> list[str]:
+    """Per-layer values, expert ids (with the near-tie margin) and logits of a split run vs the monolithic one."""
+    from afd.testing.parity import compare_topk, compare_values
+
+    failures = []
+    for (layer, boundary), ref in ref_values.items():
+        if boundary == "topk_ids":
+            if check_topk and (layer, boundary) in values:
+                scores = None
+                report = compare_topk(f"layer {layer} experts", ref, values[(layer, boundary)], _router_scores(model, ref_values, layer))
+                if not report.ok:
+                    failures.append(str(report))
+            continue
+        report = compare_values(f"layer {layer} {boundary}", ref, values[(layer, boundary)])
+        if not report.ok:
+            failures.append(str(report))
+    report = compare_values("logits", ref_logits, logits)
+    if not report.ok:
+        failures.append(str(report))
+    return failures
+
+
+def _router_scores(model, ref_values, layer):
+    ffn_input = model.model.layers[layer].post_attention_layernorm(ref_values[(layer, "attn_output")])
+    gate = model.model.layers[layer].mlp.gate
+    return gate.logits(ffn_input).softmax(-1)
+
+
+@torch.no_grad()
+def greedy_with_gaps(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """Monolithic greedy decode of one prompt over the paged cache; returns tokens and top-2 logit gaps."""
+    from afd.config import CacheConfig
+    from afd.engine.runner import ModelRunner
+    from afd.kvcache import BlockManager, SeqChunk
+    from afd.testing.parity import top2_gap
+
+    runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=64))
+    blocks = BlockManager(64, 16)
+    seq = list(prompt)
+    logits = runner.execute(seq, [SeqChunk(blocks.ensure(0, len(seq)), 0, len(seq))])[0]
+    tokens, gaps = [], []
+    for _ in range(steps):
+        gaps.append(top2_gap(logits))
+        tokens.append(int(logits.argmax()))
+        seq.append(tokens[-1])
+        logits = runner.execute([seq[-1]], [SeqChunk(blocks.ensure(0, len(seq)), len(seq) - 1, 1)])[0]
+    return tokens, gaps

@@ -50,3 +50,38 @@ def setup_process(verbose: bool = False) -> None:
     threads = env.num_threads()
     if threads:
         torch.set_num_threads(threads)
+
+
+def add_topology_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("disaggregation (no flags: monolithic)")
+    g.add_argument("--attention-devices", help="attention ranks' devices, e.g. cpu,cpu or cpu:0,cpu:1")
+    g.add_argument("--ffn-devices", help="FFN ranks' devices, e.g. cpu or cpu:1")
+    g.add_argument("--attention-ranks", type=int, help="shorthand: N attention ranks on CPU")
+    g.add_argument("--ffn-ranks", type=int, help="shorthand: N FFN ranks on CPU")
+    g.add_argument("--transport", choices=["loopback", "shm"], default="shm", help="loopback: ranks as threads of one process; shm: processes on this host (default)")
+    g.add_argument("--gate", choices=["attention", "ffn"], default="attention", help="where the router runs (default attention: per-expert M2N routing)")
+    g.add_argument("--mode", choices=["sync"], default="sync", help="sync: each layer dispatches, then waits for the combine")
+    g.add_argument("--dense-on", choices=["attention", "ffn"], default="attention", help="where dense-layer MLPs run")
+    g.add_argument("--shared-experts-on", choices=["attention", "ffn"], default="attention", help="where shared experts run")
+    g.add_argument("--placement", help="explicit expert placement, e.g. 0-3:0,4-7:1 (default: contiguous blocks)")
+
+
+def topology_from_args(args: argparse.Namespace, num_experts: int):
+    """The topology flags -> a validated Topology, or None for a monolithic run."""
+    from afd.distributed.topology import ExpertPlacement, parse_topology_args, validate_topology
+
+    topology = parse_topology_args(
+        args.attention_devices,
+        args.ffn_devices,
+        args.attention_ranks,
+        args.ffn_ranks,
+        transport=args.transport,
+        gate=args.gate,
+        mode=args.mode,
+        dense_on=args.dense_on,
+        shared_experts_on=args.shared_experts_on,
+        placement=ExpertPlacement.parse(args.placement, num_experts) if args.placement else None,
+    )
+    if topology is not None:
+        validate_topology(topology, num_experts)
+    return topology

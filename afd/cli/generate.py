@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from afd.cli.common import add_engine_args, resolve_model
+from afd.cli.common import add_engine_args, add_topology_args, resolve_model, topology_from_args
 from afd.config import SamplingParams
 
 log = logging.getLogger("afd.generate")
@@ -27,6 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt: prompt, text, token_ids")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_engine_args(p)
+    add_topology_args(p)
     p.set_defaults(func=run)
 
 
@@ -46,16 +47,29 @@ def run(args: argparse.Namespace) -> int:
         )
         for i in range(len(args.prompt))
     ]
-    engine = LLMEngine.from_pretrained(
-        model_dir,
-        dtype=args.dtype,
-        kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
-    log.info("model %s (%s), dtype %s, %s", model_dir, engine.model.config.architecture, engine.config.dtype, engine.config.cache)
-    outputs = engine.generate(args.prompt, params, progress=not args.no_progress and sys.stderr.isatty())
+    from afd.models import load_model_config
+
+    topology = topology_from_args(args, load_model_config(model_dir).moe.num_experts)
+    if topology is None:
+        engine = LLMEngine.from_pretrained(
+            model_dir,
+            dtype=args.dtype,
+            kv_cache_memory=args.kv_cache_memory,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+        log.info("monolithic: model %s (%s), dtype %s, %s", model_dir, engine.model.config.architecture, engine.config.dtype, engine.config.cache)
+        outputs = engine.generate(args.prompt, params, progress=not args.no_progress and sys.stderr.isatty())
+    else:
+        from afd import env
+        from afd.engine.launcher import Cluster
+        from afd.engine.ranks import EngineArgs
+
+        engine_args = EngineArgs(args.dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_num_batched_tokens)
+        log.info("disaggregated: model %s, %s", model_dir, topology)
+        with Cluster(model_dir, topology, engine_args, io_log=env.io_log()) as cluster:
+            outputs = cluster.generate(args.prompt, params)
     for out in outputs:
         if args.json:
             print(json.dumps({"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}))

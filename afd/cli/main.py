@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"afd: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a rank failed, a link broke: the message names the rank
+        print(f"afd: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("afd: interrupted", file=sys.stderr)
         return 130

@@ -211,7 +211,7 @@ def decode_payload(header: Header, payload: bytes | memoryview, receiver: str) -
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor (no copy)."""
-    t = t.contiguous()
+    t = t.contiguous().reshape(-1)  # 1-d: a 0-d tensor cannot be viewed as bytes
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.view(torch.uint8).numpy()).cast("B")

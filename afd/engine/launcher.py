@@ -98,11 +98,12 @@ class Cluster:
         config = load_model_config(self.model_dir)
         self.placement = validate_topology(topology, config.moe.num_experts)  # before any process starts
         self.model_config = config
-        self.run_id = uuid.uuid4().hex[:12]
+        self.run_id = os.environ.get("AFD_RUN_ID") or uuid.uuid4().hex[:12]  # a supervisor may choose it
         self.run_dir: Path | None = None
         self.ranks: list[_Rank] = []
         self._hub: LoopbackHub | None = None
         self._closed = False
+        self._set_run_id = False
 
     # ------------------------------------------------------------------ start
     def _slot_bytes(self) -> int:
@@ -112,6 +113,7 @@ class Cluster:
 
     def start(self) -> "Cluster":
         t = self.topology
+        self._set_run_id = "AFD_RUN_ID" not in os.environ
         os.environ["AFD_RUN_ID"] = self.run_id  # inherited by every rank process
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"afd-{self.run_id}-", dir=base))
@@ -132,7 +134,11 @@ class Cluster:
                     proc = threading.Thread(target=run_rank, args=(spec, child, self._hub, False), name=spec.name, daemon=True)
                 else:
                     proc = ctx.Process(target=run_rank, args=(spec, child), name=f"afd-{spec.name.replace(' ', '-')}")
-                proc.start()
+                os.environ["AFD_RANK"] = spec.name  # visible in /proc/<pid>/environ of the rank
+                try:
+                    proc.start()
+                finally:
+                    os.environ.pop("AFD_RANK", None)
                 self.ranks.append(_Rank(spec, parent, proc))
             deadline = time.monotonic() + self.ready_timeout
             while any(r.ready is None for r in self.ranks):
@@ -258,8 +264,8 @@ class Cluster:
             r.conn.close()
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-        if os.environ.get("AFD_RUN_ID") == self.run_id:
-            del os.environ["AFD_RUN_ID"]
+        if self._set_run_id:
+            os.environ.pop("AFD_RUN_ID", None)
 
     def __enter__(self) -> "Cluster":
         return self.start()

@@ -175,12 +175,14 @@ class LLMEngine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
         done: dict[int, RequestOutput] = {}
         total = sum(sp.max_tokens for sp in per_prompt)
-        with tqdm(total=total, desc="generate", unit="tok", disable=not progress, leave=False) as bar:
-            while self.has_unfinished():
-                for out in self.step():
-                    done[out.request_id] = out
-                produced = sum(
-                    len(done[i].token_ids) if i in done else len(self._requests[i].output_ids) for i in ids
-                )
+        # no tqdm object at all unless asked: it allocates a multiprocessing lock per process
+        bar = tqdm(total=total, desc="generate", unit="tok", leave=False) if progress else None
+        while self.has_unfinished():
+            for out in self.step():
+                done[out.request_id] = out
+            if bar is not None:
+                produced = sum(len(done[i].token_ids) if i in done else len(self._requests[i].output_ids) for i in ids)
                 bar.update(produced - bar.n)
+        if bar is not None:
+            bar.close()
         return [done[i] for i in ids]

@@ -1,0 +1,92 @@
+"""Both transports copy bytes exactly, wake a sleeping receiver, and report a dead peer."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+from afd.connectors.protocol import Header, Kind, Role, TensorName, make_message
+from afd.connectors.shm import ShmMailbox, create_links
+from afd.connectors.transport import LoopbackHub, LoopbackMailbox, PeerDiedError
+
+
+def _msg(i: int, rows: int) -> object:
+    torch.manual_seed(i)
+    return make_message(
+        Header(Kind.WORK, Role.ATTENTION, 0, 0, layer=i % 5, seq=i, num_tokens=rows),
+        {TensorName.HIDDEN: torch.randn(rows, 64).to(torch.bfloat16), TensorName.EXPERT_IDS: torch.randint(-1, 8, (rows, 2), dtype=torch.int32)},
+    )
+
+
+def _echo_ffn(run_dir, n):
+    box = ShmMailbox(run_dir, Role.FFN, 0, 1, num_slots=2, slot_bytes=64 << 10)
+    for _ in range(n):
+        m = box.recv(30)
+        h = m.header
+        back = Header(Kind.RESULT, Role.FFN, 0, 0, h.layer, h.microbatch, h.seq, h.num_tokens)
+        box.send(0, make_message(back, {TensorName.OUTPUT: m.tensors[TensorName.HIDDEN]}))
+    box.close()
+
+
+def test_shm_is_byte_exact_across_processes_and_ring_wraps(tmp_path):
+    n = 25  # > num_slots: the ring wraps and the producer waits for space
+    create_links(tmp_path, 1, 1, num_slots=2, slot_bytes=64 << 10)
+    peer = mp.get_context("spawn").Process(target=_echo_ffn, args=(tmp_path, n))
+    peer.start()
+    try:
+        box = ShmMailbox(tmp_path, Role.ATTENTION, 0, 1, num_slots=2, slot_bytes=64 << 10)
+        for i in range(n):
+            sent = _msg(i, rows=1 + 37 * i % 200)
+            box.send(0, sent)
+            got = box.recv(30)
+            assert got.header.seq == i and got.header.kind == Kind.RESULT
+            assert torch.equal(got.tensors[TensorName.OUTPUT], sent.tensors[TensorName.HIDDEN])
+        peer.join(10)
+        assert peer.exitcode == 0
+        # the peer is gone: a receive reports it instead of hanging
+        with pytest.raises(PeerDiedError, match="ffn rank 0 is gone"):
+            box.recv(5)
+    finally:
+        if peer.is_alive():
+            peer.kill()
+
+
+def test_shm_receive_times_out_quietly_when_idle(tmp_path):
+    create_links(tmp_path, 1, 1, num_slots=2, slot_bytes=4096)
+    ctx = mp.get_context("spawn")
+    peer = ctx.Process(target=time.sleep, args=(3,))
+    # open both ends in this process: an idle link is not a failure
+    a_box = {}
+
+    def open_ffn():
+        a_box["ffn"] = ShmMailbox(tmp_path, Role.FFN, 0, 1, 2, 4096)
+
+    import threading
+
+    th = threading.Thread(target=open_ffn)
+    th.start()
+    attn = ShmMailbox(tmp_path, Role.ATTENTION, 0, 1, 2, 4096)
+    th.join()
+    t0 = time.monotonic()
+    assert attn.recv(0.3) is None
+    assert 0.25 < time.monotonic() - t0 < 2.0
+    with pytest.raises(ValueError, match="exceeds the shm slot"):
+        attn.send(0, _msg(0, rows=100))
+
+
+def test_loopback_copies_and_reports_closed_links():
+    hub = LoopbackHub()
+    a, f = LoopbackMailbox(hub, Role.ATTENTION, 0, 1), LoopbackMailbox(hub, Role.FFN, 0, 1)
+    sent = _msg(3, rows=5)
+    a.send(0, sent)
+    sent.tensors[TensorName.HIDDEN].zero_()  # the sender's buffer may be reused at once
+    got = f.recv(1)
+    assert got.header.seq == 3 and got.tensors[TensorName.HIDDEN].abs().sum() > 0
+    assert f.recv(0.05) is None
+    hub.close()
+    with pytest.raises(PeerDiedError):
+        f.recv(1)

@@ -1,0 +1,99 @@
+"""Split equals monolithic (rules of parity.md): every topology, transport, gate and FFN placement.
+
+The full product runs over the loopback transport (ranks as threads, each with
+its own separately loaded weights); real processes over shm cover every
+topology at least once, with the settings varied across launches.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from afd.cli.common import BUILTIN_MODEL
+from afd.config import SamplingParams
+from afd.distributed.topology import Topology, parse_devices
+from afd.engine.launcher import Cluster
+from afd.engine.ranks import EngineArgs
+from afd.engine.tokenizer import Tokenizer
+from afd.models import load_model
+from afd.testing.parity import compare_greedy
+from tests import support
+
+TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (3, 2), (2, 3)]
+PROMPTS = [[0, 17, 44, 9, 120, 301, 5, 77, 8, 250, 3, 12, 99], [0, 200, 13, 7, 2], [0, 5, 6, 7, 8, 9, 10, 11, 12]]
+ENGINE = EngineArgs(dtype="float32", kv_cache_memory=16 << 20, block_size=4)
+
+
+def topology(a, f, **kw):
+    return Topology(parse_devices(",".join(["cpu"] * a)), parse_devices(",".join(["cpu"] * f)), **kw)
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    out = {}
+    for case in ("ds-qlora-grouped-yarn", "qwen3-norm-topk"):
+        model = load_model(checkpoints[case][0], dtype="float32")[0]
+        out[case] = (checkpoints[case][0], model, *support.monolithic_capture(model, PROMPTS))
+    return out
+
+
+def check_cluster(cluster, model, ref_values, ref_logits, gate):
+    for rank in range(cluster.topology.num_attention_ranks):
+        values, logits = cluster.request(rank, ("capture", PROMPTS), "capture")
+        failures = support.split_parity_failures(model, ref_values, ref_logits, values, logits, check_topk=gate == "attention")
+        assert not failures, f"attention rank {rank}:\n" + "\n".join(failures)
+
+
+SETTINGS = list(itertools.product(["attention", "ffn"], ["attention", "ffn"], ["attention", "ffn"]))
+
+
+@pytest.mark.parametrize("case", ["ds-qlora-grouped-yarn", "qwen3-norm-topk"])
+@pytest.mark.parametrize("a, f", TOPOLOGIES)
+def test_loopback_full_product(references, case, a, f):
+    path, model, ref_values, ref_logits = references[case]
+    for gate, dense_on, shared_on in SETTINGS:
+        t = topology(a, f, transport="loopback", gate=gate, dense_on=dense_on, shared_experts_on=shared_on)
+        with Cluster(path, t, ENGINE) as cluster:
+            check_cluster(cluster, model, ref_values, ref_logits, gate)
+
+
+REAL = [  # (A, F, case, gate, dense_on, shared_on): every topology once, every setting at least once
+    (1, 1, "builtin", "attention", "attention", "attention"),
+    (2, 1, "qwen3-norm-topk", "ffn", "ffn", "attention"),
+    (1, 2, "builtin", "attention", "ffn", "ffn"),
+    (3, 2, "ds-qlora-grouped-yarn", "attention", "attention", "ffn"),
+    (2, 3, "builtin", "ffn", "attention", "attention"),
+]
+
+
+@pytest.mark.parametrize("a, f, case, gate, dense_on, shared_on", REAL)
+def test_real_processes_over_shm(references, a, f, case, gate, dense_on, shared_on):
+    if case == "builtin":
+        path, model = BUILTIN_MODEL, load_model(BUILTIN_MODEL, dtype="float32")[0]
+        ref_values, ref_logits = support.monolithic_capture(model, PROMPTS)
+    else:
+        path, model, ref_values, ref_logits = references[case]
+    t = topology(a, f, transport="shm", gate=gate, dense_on=dense_on, shared_experts_on=shared_on)
+    with Cluster(path, t, ENGINE) as cluster:
+        assert all(r.ready.pid != 0 for r in cluster.ranks) and len(set(cluster.pids())) == a + f
+        check_cluster(cluster, model, ref_values, ref_logits, gate)
+        if case == "builtin":
+            tok = Tokenizer(path)
+            prompts = ["ROMEO:", "KING.\nWhat say you", "Enter a Messenger.\n\n", "To be, or not"]
+            outs = cluster.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+            for prompt, out in zip(prompts, outs):
+                ref, gaps = support.greedy_with_gaps(model, tok.encode(prompt), 24)
+                report = compare_greedy(ref, out.token_ids, gaps)
+                assert report.ok and report.num_compared >= 8, f"{prompt!r}: {report}"
+        # each rank holds only its own weights
+        for r in cluster.ranks:
+            names = r.ready.tensors
+            if r.spec.role.name == "ATTENTION":
+                assert not any(".mlp.experts." in n for n in names)
+            else:
+                mine = {f".mlp.experts.{e}." for e in cluster.placement.experts_of(r.spec.index)}
+                experts = [n for n in names if ".mlp.experts." in n]
+                assert experts and all(any(m in n for m in mine) for n in experts)
+                assert not any("self_attn" in n or "embed_tokens" in n for n in names)
