@@ -71,6 +71,7 @@ class _Rank:
     proc: Any  # mp.Process or threading.Thread
     ready: ReadyReport | None = None
     done: bool = False  # said bye / exited as asked
+    failed: bool = False  # already reported
 
     @property
     def sentinel(self):
@@ -155,18 +156,31 @@ class Cluster:
         if left <= 0:
             slow = [r.spec.name for r in self.ranks if r.ready is None]
             self._fail(f"timed out after {self.ready_timeout:.0f} s waiting for {waiting_for} ({', '.join(slow) or 'results'})")
-        handles = [r.conn for r in self.ranks] + [r.sentinel for r in self.ranks if r.sentinel is not None]
-        ready = wait(handles, timeout=min(left, 0.5))
-        got = []
+        got, failures = self._sweep(min(left, 0.5))
+        if failures:
+            # one death usually makes its peers fail too ("... is gone"): gather them, report the cause first
+            time.sleep(0.3)
+            failures += self._sweep(0.0)[1]
+            failures.sort(key=lambda f: f[0])
+            self._fail("; then ".join(text for _, text, _ in failures), detail="\n".join(d for *_, d in failures if d))
+        return got
+
+    def _sweep(self, timeout: float) -> tuple[list[tuple[_Rank, tuple]], list[tuple[int, str, str]]]:
+        handles = [r.conn for r in self.ranks if not r.conn.closed] + [r.sentinel for r in self.ranks if r.sentinel is not None]
+        ready = wait(handles, timeout=timeout)
+        got, failures = [], []
         for r in self.ranks:
-            if r.conn in ready:
+            while not r.conn.closed and r.conn in ready and r.conn.poll():
                 try:
                     msg = r.conn.recv()
                 except EOFError:
-                    msg = ("error", f"{r.spec.name} closed its control pipe", "")
+                    r.conn.close()
+                    break
                 if msg[0] == "error":
-                    self._fail(msg[1], detail=msg[2] if len(msg) > 2 else "")
-                if msg[0] == "ready":
+                    r.failed = True  # its exit that follows is not news
+                    secondary = "PeerDiedError" in msg[1] or "RemoteError" in msg[1]
+                    failures.append((2 if secondary else 1, msg[1], msg[2] if len(msg) > 2 else ""))
+                elif msg[0] == "ready":
                     r.ready = msg[1]
                     log.info("%s READY (pid %d): %d tensors, %.1f MB read", r.spec.name, msg[1].pid, len(msg[1].tensors), msg[1].bytes_read / 1e6)
                 elif msg[0] == "bye":
@@ -174,14 +188,16 @@ class Cluster:
                 else:
                     got.append((r, msg))
         for r in self.ranks:
-            if r.sentinel is not None and r.sentinel in ready and not r.done:
-                if r.conn.poll():  # its last words first
-                    continue
+            if r.done or r.failed:
+                continue
+            if r.sentinel is not None and r.sentinel in ready:
                 r.proc.join(1.0)  # reap it, so the exit code is known
-                self._fail(f"{r.spec.name} (pid {r.proc.pid}) died: {_exit_reason(r.proc.exitcode)}")
-            if r.sentinel is None and not r.proc.is_alive() and not r.done and not r.conn.poll():
-                self._fail(f"{r.spec.name} thread ended unexpectedly")
-        return got
+                r.failed = True
+                failures.append((0, f"{r.spec.name} (pid {r.proc.pid}) died: {_exit_reason(r.proc.exitcode)}", ""))
+            elif r.sentinel is None and not r.proc.is_alive():
+                r.failed = True
+                failures.append((0, f"{r.spec.name} thread ended unexpectedly", ""))
+        return got, failures
 
     def _fail(self, reason: str, detail: str = "") -> None:
         if detail:
