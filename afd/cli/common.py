@@ -58,7 +58,8 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ffn-devices", help="FFN ranks' devices, e.g. cpu or cpu:1")
     g.add_argument("--attention-ranks", type=int, help="shorthand: N attention ranks on CPU")
     g.add_argument("--ffn-ranks", type=int, help="shorthand: N FFN ranks on CPU")
-    g.add_argument("--transport", choices=["loopback", "shm"], default="shm", help="loopback: ranks as threads of one process; shm: processes on this host (default)")
+    g.add_argument("--transport", choices=["loopback", "shm", "torch"], default="shm",
+                   help="loopback: ranks as threads of one process; shm: processes on this host (default); torch: torch.distributed (gloo on CPU)")
     g.add_argument("--gate", choices=["attention", "ffn"], default="attention", help="where the router runs (default attention: per-expert M2N routing)")
     g.add_argument("--mode", choices=["sync"], default="sync", help="sync: each layer dispatches, then waits for the combine")
     g.add_argument("--dense-on", choices=["attention", "ffn"], default="attention", help="where dense-layer MLPs run")

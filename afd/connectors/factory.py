@@ -19,6 +19,10 @@ class LinkSpec:
     slot_bytes: int = 1 << 20
     connect_timeout: float = 30.0
     io_log: bool = False
+    num_attention: int = 1
+    num_ffn: int = 1
+    master_addr: str = "127.0.0.1"  # torch transport: where the launcher's TCPStore listens
+    master_port: int = 0
 
 
 def make_mailbox(spec: LinkSpec, role: Role, index: int, num_peers: int, hub: LoopbackHub | None = None) -> Mailbox:
@@ -30,4 +34,9 @@ def make_mailbox(spec: LinkSpec, role: Role, index: int, num_peers: int, hub: Lo
         from afd.connectors.shm import ShmMailbox
 
         return ShmMailbox(spec.run_dir, role, index, num_peers, spec.num_slots, spec.slot_bytes, spec.connect_timeout, spec.io_log)
-    raise ValueError(f"transport {spec.transport!r} is not available yet; use loopback or shm")
+    if spec.transport == "torch":
+        from afd.connectors.torch_dist import TorchMailbox
+
+        return TorchMailbox(role, index, spec.num_attention, spec.num_ffn, spec.master_addr, spec.master_port,
+                            timeout=spec.connect_timeout, io_log=spec.io_log)
+    raise ValueError(f"unknown transport {spec.transport!r}; use loopback, shm or torch")

@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Sequence
@@ -45,9 +45,12 @@ class RankFailedError(RuntimeError):
 
 
 def build_launch_order(topology: Topology) -> list[tuple[Role, int]]:
-    """The one place that decides start order. Links are created by the launcher before any rank
-    starts and every rank opens its read ends before its write ends, so no order can deadlock;
-    FFN ranks go first so that they are serving when the first attention rank is READY."""
+    """The one place that decides start order, from where the rendezvous lives.
+
+    The rendezvous (shm files, or the torch transport's TCPStore) is created by the
+    launcher itself before any rank starts, so every rank finds it up; FFN ranks go
+    first so that they listen and serve by the time an attention rank connects and
+    reports READY. (A remote launcher without the rendezvous waits for it.)"""
     return [(Role.FFN, f) for f in range(topology.num_ffn_ranks)] + [
         (Role.ATTENTION, a) for a in range(topology.num_attention_ranks)
     ]
@@ -105,6 +108,7 @@ class Cluster:
         self._hub: LoopbackHub | None = None
         self._closed = False
         self._set_run_id = False
+        self._store = None  # torch transport: the TCPStore rendezvous
 
     # ------------------------------------------------------------------ start
     def _slot_bytes(self) -> int:
@@ -118,7 +122,17 @@ class Cluster:
         os.environ["AFD_RUN_ID"] = self.run_id  # inherited by every rank process
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"afd-{self.run_id}-", dir=base))
-        link = LinkSpec(t.transport, self.run_dir, slot_bytes=self._slot_bytes(), connect_timeout=self.ready_timeout, io_log=self.io_log)
+        link = LinkSpec(t.transport, self.run_dir, slot_bytes=self._slot_bytes(), connect_timeout=self.ready_timeout,
+                        io_log=self.io_log, num_attention=t.num_attention_ranks, num_ffn=t.num_ffn_ranks)
+        if t.transport == "torch":
+            import datetime
+
+            import torch.distributed as dist
+
+            # the rendezvous lives here, in the launcher: it is up before any rank starts
+            self._store = dist.TCPStore("127.0.0.1", 0, t.num_attention_ranks + t.num_ffn_ranks + 1, is_master=True,
+                                        wait_for_workers=False, timeout=datetime.timedelta(seconds=self.ready_timeout))
+            link = replace(link, master_addr="127.0.0.1", master_port=self._store.port)
         if t.transport == "shm":
             from afd.connectors.shm import create_links
 
@@ -280,6 +294,7 @@ class Cluster:
             r.conn.close()
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+        self._store = None
         if self._set_run_id:
             os.environ.pop("AFD_RUN_ID", None)
 

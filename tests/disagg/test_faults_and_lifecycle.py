@@ -41,16 +41,17 @@ def env_with(**extra) -> dict[str, str]:
     return {**os.environ, "AFD_NUM_THREADS": "1", **extra}
 
 
+@pytest.mark.parametrize("transport", ["shm", "torch"])
 @pytest.mark.parametrize("fault, expect", [
     ("corrupt-header", "bad magic"),
     ("wrong-layer", "layer"),
     ("wrong-seq", "out of order|does not pair"),
     ("truncate", "truncated payload"),
 ])
-def test_protocol_faults_over_shm_fail_loudly_naming_both_ranks(fault, expect):
+def test_protocol_faults_fail_loudly_naming_both_ranks(transport, fault, expect):
     run_id = uuid.uuid4().hex[:12]
     res = subprocess.run(
-        afd_cmd("--prompt", "ROMEO:", "--max-tokens", "8", "--attention-ranks", "1", "--ffn-ranks", "1", "--transport", "shm", "--dtype", "float32"),
+        afd_cmd("--prompt", "ROMEO:", "--max-tokens", "8", "--attention-ranks", "1", "--ffn-ranks", "1", "--transport", transport, "--dtype", "float32"),
         capture_output=True, text=True, timeout=120, env=env_with(AFD_FAULT=f"{fault}@3", AFD_RUN_ID=run_id),
     )
     assert res.returncode != 0

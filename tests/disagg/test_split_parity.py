@@ -1,8 +1,9 @@
 """Split equals monolithic (rules of parity.md): every topology, transport, gate and FFN placement.
 
 The full product runs over the loopback transport (ranks as threads, each with
-its own separately loaded weights); real processes over shm cover every
-topology at least once, with the settings varied across launches.
+its own separately loaded weights); real processes over shm and over torch
+(gloo) run every topology once per transport, with the settings varied across
+launches so that each gate and FFN placement is covered by both.
 """
 
 from __future__ import annotations
@@ -59,23 +60,28 @@ def test_loopback_full_product(references, case, a, f):
             check_cluster(cluster, model, ref_values, ref_logits, gate)
 
 
-REAL = [  # (A, F, case, gate, dense_on, shared_on): every topology once, every setting at least once
-    (1, 1, "builtin", "attention", "attention", "attention"),
-    (2, 1, "qwen3-norm-topk", "ffn", "ffn", "attention"),
-    (1, 2, "builtin", "attention", "ffn", "ffn"),
-    (3, 2, "ds-qlora-grouped-yarn", "attention", "attention", "ffn"),
-    (2, 3, "builtin", "ffn", "attention", "attention"),
+REAL = [  # (transport, A, F, case, gate, dense_on, shared_on): every topology x transport once, every setting at least once
+    ("shm", 1, 1, "builtin", "attention", "attention", "attention"),
+    ("shm", 2, 1, "qwen3-norm-topk", "ffn", "ffn", "attention"),
+    ("shm", 1, 2, "builtin", "attention", "ffn", "ffn"),
+    ("shm", 3, 2, "ds-qlora-grouped-yarn", "attention", "attention", "ffn"),
+    ("shm", 2, 3, "builtin", "ffn", "attention", "attention"),
+    ("torch", 1, 1, "ds-qlora-grouped-yarn", "ffn", "ffn", "ffn"),
+    ("torch", 2, 1, "builtin", "attention", "attention", "ffn"),
+    ("torch", 1, 2, "qwen3-norm-topk", "attention", "attention", "attention"),
+    ("torch", 3, 2, "builtin", "attention", "ffn", "attention"),
+    ("torch", 2, 3, "ds-qlora-grouped-yarn", "ffn", "attention", "ffn"),
 ]
 
 
-@pytest.mark.parametrize("a, f, case, gate, dense_on, shared_on", REAL)
-def test_real_processes_over_shm(references, a, f, case, gate, dense_on, shared_on):
+@pytest.mark.parametrize("transport, a, f, case, gate, dense_on, shared_on", REAL)
+def test_real_processes(references, transport, a, f, case, gate, dense_on, shared_on):
     if case == "builtin":
         path, model = BUILTIN_MODEL, load_model(BUILTIN_MODEL, dtype="float32")[0]
         ref_values, ref_logits = support.monolithic_capture(model, PROMPTS)
     else:
         path, model, ref_values, ref_logits = references[case]
-    t = topology(a, f, transport="shm", gate=gate, dense_on=dense_on, shared_experts_on=shared_on)
+    t = topology(a, f, transport=transport, gate=gate, dense_on=dense_on, shared_experts_on=shared_on)
     with Cluster(path, t, ENGINE) as cluster:
         assert all(r.ready.pid != 0 for r in cluster.ranks) and len(set(cluster.pids())) == a + f
         check_cluster(cluster, model, ref_values, ref_logits, gate)

@@ -1,0 +1,166 @@
+"""``torch`` transport: torch.distributed point-to-point for payloads, a TCP control channel for headers.
+
+* Rendezvous: a ``TCPStore`` hosted by the launcher (or node 0's launcher in a
+  multi-node run); each rank joins the world group (gloo on CPU) with global
+  rank ``a`` (attention) or ``A + f`` (FFN), and one two-rank group per
+  (attention rank, FFN rank) link.
+* Headers travel on one TCP connection per link: the FFN rank listens and
+  publishes ``host:port`` in the store, the attention rank connects. The
+  receiver polls the sockets with ``select``, so it never posts a receive it
+  cannot bound: a gloo ``recv`` that times out closes the link for good, and
+  NCCL cannot receive from "any source" nor without knowing sizes. The control
+  frame says how many payload bytes follow; only then is the payload received,
+  on the link's own group, into a buffer of exactly that size.
+* A peer that dies closes its socket: the receiver sees end-of-file at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import select
+import socket
+import struct
+import time
+
+import torch
+import torch.distributed as dist
+
+from afd.connectors.protocol import Header, ProtocolError, Role
+from afd.connectors.transport import ConnectorTimeout, Mailbox, PeerDiedError
+
+_FRAME = struct.Struct("<IQ")  # header length, payload length
+
+
+def global_rank(role: Role, index: int, num_attention: int) -> int:
+    return index if role == Role.ATTENTION else num_attention + index
+
+
+def _local_address(master_addr: str) -> str:
+    """The address of this host as seen on the route to the master (works across hosts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((master_addr, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+class TorchMailbox(Mailbox):
+    def __init__(
+        self,
+        role: Role,
+        index: int,
+        num_attention: int,
+        num_ffn: int,
+        master_addr: str,
+        master_port: int,
+        backend: str = "gloo",
+        timeout: float = 60.0,
+        io_log: bool = False,
+    ) -> None:
+        num_peers = num_ffn if role == Role.ATTENTION else num_attention
+        super().__init__(role, index, num_peers, io_log)
+        self.num_attention = num_attention
+        self.me = global_rank(role, index, num_attention)
+        td = datetime.timedelta(seconds=timeout)
+        self.store = dist.TCPStore(master_addr, master_port, num_attention + num_ffn, is_master=False, timeout=td)
+        dist.init_process_group(backend, store=self.store, rank=self.me, world_size=num_attention + num_ffn, timeout=td)
+        # one group per link, created by every rank in the same order (new_group is collective)
+        self.groups: dict[int, object] = {}
+        for a in range(num_attention):
+            for f in range(num_ffn):
+                g = dist.new_group([a, num_attention + f])
+                if role == Role.ATTENTION and index == a:
+                    self.groups[f] = g
+                elif role == Role.FFN and index == f:
+                    self.groups[a] = g
+        self.socks: dict[int, socket.socket] = {}
+        if role == Role.FFN:
+            self._accept(master_addr, timeout)
+        else:
+            self._connect(timeout)
+        self._sock_peer = {s.fileno(): p for p, s in self.socks.items()}
+
+    def _peer_global(self, peer: int) -> int:
+        return global_rank(self.peer_role, peer, self.num_attention)
+
+    def _accept(self, master_addr: str, timeout: float) -> None:
+        server = socket.create_server(("0.0.0.0", 0))
+        host = _local_address(master_addr)
+        self.store.set(f"afd/ctrl/ffn{self.index}", f"{host}:{server.getsockname()[1]}")
+        server.settimeout(timeout)
+        while len(self.socks) < self.num_peers:
+            try:
+                conn, _ = server.accept()
+            except socket.timeout:
+                raise ConnectorTimeout(f"{self.name}: attention ranks did not connect within {timeout:.0f} s") from None
+            peer = struct.unpack("<I", _read_exact(conn, 4, self.name, "a connecting rank"))[0]
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.socks[peer] = conn
+        server.close()
+
+    def _connect(self, timeout: float) -> None:
+        for f in range(self.num_peers):
+            host, port = self.store.get(f"afd/ctrl/ffn{f}").decode().rsplit(":", 1)
+            s = socket.create_connection((host, int(port)), timeout=timeout)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.sendall(struct.pack("<I", self.index))
+            self.socks[f] = s
+
+    def _send(self, peer: int, header: bytes, payload: list) -> None:
+        data = b"".join(bytes(p) for p in payload)
+        try:
+            self.socks[peer].sendall(_FRAME.pack(len(header), len(data)) + header)
+        except OSError:
+            raise PeerDiedError(f"{self.name}: {self.peer_name(peer)} is gone (control socket closed)") from None
+        if data:
+            tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            dist.send(tensor, dst=self._peer_global(peer), group=self.groups[peer], tag=self.me)
+
+    def _recv(self, timeout: float):
+        ready, _, _ = select.select(list(self._sock_peer), [], [], max(0.0, timeout))
+        if not ready:
+            return None
+        peer = self._sock_peer[ready[0]]
+        sock = self.socks[peer]
+        who = self.peer_name(peer)
+        hlen, plen = _FRAME.unpack(_read_exact(sock, _FRAME.size, self.name, who))
+        header_bytes = _read_exact(sock, hlen, self.name, who)
+        header, _ = Header.unpack(header_bytes, f"{self.name} (link from {who})")
+        if plen != header.payload_bytes:
+            raise ProtocolError(
+                f"{self.name}: truncated payload from {who}: {plen} of {header.payload_bytes} bytes announced "
+                f"(layer {header.layer}, seq {header.seq})"
+            )
+        buf = torch.empty(plen, dtype=torch.uint8)
+        if plen:
+            dist.recv(buf, src=self._peer_global(peer), group=self.groups[peer], tag=self._peer_global(peer))
+        return peer, header_bytes, memoryview(buf.numpy())
+
+    def close(self) -> None:
+        for s in self.socks.values():
+            try:
+                s.close()
+            except OSError:
+                pass
+        self.socks.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _read_exact(sock: socket.socket, n: int, me: str, peer: str) -> bytes:
+    chunks, got = [], 0
+    deadline = time.monotonic() + 60
+    while got < n:
+        try:
+            chunk = sock.recv(n - got)
+        except socket.timeout:
+            chunk = None
+        if chunk == b"":
+            raise PeerDiedError(f"{me}: {peer} is gone (control socket closed)")
+        if chunk:
+            chunks.append(chunk)
+            got += len(chunk)
+        elif time.monotonic() > deadline:
+            raise ConnectorTimeout(f"{me}: a frame from {peer} stalled")
+    return b"".join(chunks)
