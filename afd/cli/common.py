@@ -65,6 +65,11 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dense-on", choices=["attention", "ffn"], default="attention", help="where dense-layer MLPs run")
     g.add_argument("--shared-experts-on", choices=["attention", "ffn"], default="attention", help="where shared experts run")
     g.add_argument("--placement", help="explicit expert placement, e.g. 0-3:0,4-7:1 (default: contiguous blocks)")
+    m = p.add_argument_group("multi-node (torchrun-style; one role per host, --transport torch)")
+    m.add_argument("--nnodes", type=int, default=1, help="1, or 2: node 0 runs the attention ranks, node 1 the FFN ranks")
+    m.add_argument("--node-rank", type=int, default=0)
+    m.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (the rendezvous)")
+    m.add_argument("--master-port", type=int, default=0, help="the rendezvous port (required with --nnodes 2)")
 
 
 def topology_from_args(args: argparse.Namespace, num_experts: int):

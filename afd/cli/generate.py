@@ -68,7 +68,13 @@ def run(args: argparse.Namespace) -> int:
 
         engine_args = EngineArgs(args.dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_num_batched_tokens)
         log.info("disaggregated: model %s, %s", model_dir, topology)
-        with Cluster(model_dir, topology, engine_args, io_log=env.io_log()) as cluster:
+        cluster = Cluster(model_dir, topology, engine_args, io_log=env.io_log(), nnodes=args.nnodes,
+                          node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
+        with cluster:
+            if not cluster.attention_ranks():  # an FFN-only node of a multi-node run
+                cluster.wait_until_done()
+                print(f"node {args.node_rank}: FFN ranks served the run and exited", file=sys.stderr)
+                return 0
             outputs = cluster.generate(args.prompt, params)
     for out in outputs:
         if args.json:

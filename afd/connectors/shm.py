@@ -177,6 +177,9 @@ class ShmMailbox(Mailbox):
             left = deadline - time.monotonic()
             if left < 0:
                 return None
+            if not self._fd_peer:
+                time.sleep(left)
+                return None
             ready, _, _ = select.select(list(self._fd_peer), [], [], left)
             for fd in ready:
                 peer = self._fd_peer[fd]
@@ -213,6 +216,9 @@ class ShmMailbox(Mailbox):
             pass  # the producer drains this FIFO on every send; a full pipe only means it has not looked yet
         except BrokenPipeError:
             pass  # the producer is gone; its death is reported on the data FIFO
+
+    def forget(self, peer: int) -> None:
+        self._fd_peer.pop(self._data_r.get(peer, -1), None)
 
     def close(self) -> None:
         for fds in (self._data_r, self._space_r, self._data_w, self._space_w):

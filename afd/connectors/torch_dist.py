@@ -118,6 +118,9 @@ class TorchMailbox(Mailbox):
             dist.send(tensor, dst=self._peer_global(peer), group=self.groups[peer], tag=self.me)
 
     def _recv(self, timeout: float):
+        if not self._sock_peer:
+            time.sleep(max(0.0, timeout))
+            return None
         ready, _, _ = select.select(list(self._sock_peer), [], [], max(0.0, timeout))
         if not ready:
             return None
@@ -136,6 +139,11 @@ class TorchMailbox(Mailbox):
         if plen:
             dist.recv(buf, src=self._peer_global(peer), group=self.groups[peer], tag=self._peer_global(peer))
         return peer, header_bytes, memoryview(buf.numpy())
+
+    def forget(self, peer: int) -> None:
+        sock = self.socks.get(peer)
+        if sock is not None:
+            self._sock_peer.pop(sock.fileno(), None)
 
     def close(self) -> None:
         for s in self.socks.values():

@@ -104,6 +104,9 @@ class Mailbox(ABC):
     def _release(self) -> None:
         """Give the transport's receive buffer back (after the payload was copied out)."""
 
+    def forget(self, peer: int) -> None:
+        """Stop listening to a peer that said SHUTDOWN: its link closing later is not a death."""
+
     def close(self) -> None:
         pass
 

@@ -44,16 +44,17 @@ class RankFailedError(RuntimeError):
     """A rank died or reported an error; the whole job was stopped."""
 
 
-def build_launch_order(topology: Topology) -> list[tuple[Role, int]]:
+def build_launch_order(topology: Topology, roles: tuple[Role, ...] = (Role.FFN, Role.ATTENTION)) -> list[tuple[Role, int]]:
     """The one place that decides start order, from where the rendezvous lives.
 
     The rendezvous (shm files, or the torch transport's TCPStore) is created by the
     launcher itself before any rank starts, so every rank finds it up; FFN ranks go
     first so that they listen and serve by the time an attention rank connects and
     reports READY. (A remote launcher without the rendezvous waits for it.)"""
-    return [(Role.FFN, f) for f in range(topology.num_ffn_ranks)] + [
+    order = [(Role.FFN, f) for f in range(topology.num_ffn_ranks)] + [
         (Role.ATTENTION, a) for a in range(topology.num_attention_ranks)
     ]
+    return [(role, i) for role, i in order if role in roles]
 
 
 def _exit_reason(code: int | None) -> str:
@@ -92,7 +93,19 @@ class Cluster:
         ready_timeout: float = 180.0,
         link_timeout: float = 60.0,
         io_log: bool = False,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
     ) -> None:
+        if nnodes not in (1, 2) or not 0 <= node_rank < nnodes:
+            raise ValueError(f"--nnodes must be 1 or 2 (one role per host) and --node-rank in [0, nnodes); got {nnodes}, {node_rank}")
+        if nnodes > 1 and topology.transport != "torch":
+            raise ValueError("a multi-node run needs --transport torch (shm and loopback stay on one host)")
+        if nnodes > 1 and not master_port:
+            raise ValueError("a multi-node run needs --master-port (and --master-addr: node 0's address)")
+        self.nnodes, self.node_rank = nnodes, node_rank
+        self.master_addr, self.master_port = master_addr, master_port
         self.model_dir = Path(model_dir)
         self.topology = topology
         self.engine = engine
@@ -129,10 +142,14 @@ class Cluster:
 
             import torch.distributed as dist
 
-            # the rendezvous lives here, in the launcher: it is up before any rank starts
-            self._store = dist.TCPStore("127.0.0.1", 0, t.num_attention_ranks + t.num_ffn_ranks + 1, is_master=True,
-                                        wait_for_workers=False, timeout=datetime.timedelta(seconds=self.ready_timeout))
-            link = replace(link, master_addr="127.0.0.1", master_port=self._store.port)
+            if self.node_rank == 0:  # the rendezvous lives here, in node 0's launcher: up before any rank starts
+                self._store = dist.TCPStore(self.master_addr, self.master_port, t.num_attention_ranks + t.num_ffn_ranks + 1,
+                                            is_master=True, wait_for_workers=False,
+                                            timeout=datetime.timedelta(seconds=self.ready_timeout))
+                port = self._store.port
+            else:
+                port = self.master_port
+            link = replace(link, master_addr=self.master_addr, master_port=port)
         if t.transport == "shm":
             from afd.connectors.shm import create_links
 
@@ -142,7 +159,7 @@ class Cluster:
         log.info("run %s: %s, placement %s, run dir %s", self.run_id, t, self.placement.expert_to_rank, self.run_dir)
         ctx = mp.get_context("spawn")
         try:
-            for role, index in build_launch_order(t):
+            for role, index in build_launch_order(t, self.local_roles()):
                 spec = RankSpec(role, index, self.model_dir, t, self.placement, link, self.engine, self.link_timeout)
                 parent, child = ctx.Pipe()
                 if t.transport == "loopback":
@@ -218,6 +235,17 @@ class Cluster:
             log.debug("rank failure detail:\n%s", detail)
         self.shutdown(graceful=False)
         raise RankFailedError(f"run {self.run_id}: {reason}")
+
+    def local_roles(self) -> tuple[Role, ...]:
+        """One role per host in a multi-node run: node 0 attention (and the front end), node 1 FFN."""
+        if self.nnodes == 1:
+            return (Role.FFN, Role.ATTENTION)
+        return (Role.ATTENTION,) if self.node_rank == 0 else (Role.FFN,)
+
+    def wait_until_done(self) -> None:
+        """On a node without attention ranks: serve until every local rank has finished (or one fails)."""
+        while not all(r.done for r in self.ranks):
+            self._poll(time.monotonic() + 24 * 3600, "the run to end")
 
     # ------------------------------------------------------------------ serving
     def attention_ranks(self) -> list[_Rank]:

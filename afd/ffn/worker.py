@@ -68,6 +68,7 @@ class FFNWorker:
             h = msg.header
             if h.kind == Kind.SHUTDOWN:
                 open_ranks.discard(h.src_index)
+                self.mailbox.forget(h.src_index)
                 continue
             if h.kind == Kind.HEARTBEAT:
                 continue
