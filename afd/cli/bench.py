@@ -2,6 +2,8 @@
 
 ``afd bench generate``: prefill and decode tokens/s of the monolithic engine,
 on a checkpoint or on the built-in synthetic DeepSeek-V2-Lite-shaped model.
+``afd bench connector``: one-way latency and bandwidth of each transport
+(:mod:`afd.cli.bench_connector`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--warmup", type=int, default=1)
     g.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
     g.set_defaults(func=run_generate)
+    from afd.cli import bench_connector
+
+    bench_connector.add_parser(bsub)
 
 
 def _load(args: argparse.Namespace):

@@ -203,8 +203,8 @@ def decode_payload(header: Header, payload: bytes | memoryview, receiver: str) -
     tensors, off = {}, 0
     for spec in header.tensors:
         n = spec.num_bytes
-        raw = torch.frombuffer(bytearray(payload[off : off + n]), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-        tensors[spec.name] = raw.view(spec.dtype).reshape(spec.shape)
+        raw = torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=off).clone() if n else torch.empty(0, dtype=torch.uint8)
+        tensors[spec.name] = raw.view(spec.dtype).reshape(spec.shape)  # one aligned copy per tensor
         off += n
     return Message(header, tensors)
 

@@ -148,7 +148,7 @@ class LoopbackMailbox(Mailbox):
     def _send(self, peer: int, header: bytes, payload: list[memoryview]) -> None:
         if self.hub.closed.is_set():
             raise PeerDiedError(f"{self.name}: links are closed, cannot send to {self.peer_name(peer)}")
-        data = b"".join(bytes(p) for p in payload)  # a copy, as a real transport makes
+        data = bytearray(b"".join(payload))  # a copy, as a real transport makes
         self.hub.inbox(self.peer_role, peer).put((self.index, bytes(header), data))
 
     def _recv(self, timeout: float):
