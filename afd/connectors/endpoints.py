@@ -16,7 +16,7 @@ Bytes per token per MoE layer (wire dtype b bytes, hidden H, top-k k, F FFN rank
   (``2*H*b + 8k`` for tokens not otherwise routed there);
 * dense layer on the FFN side: ``2*H*b`` per token to the designated rank.
 
-Plus one header per message (48 bytes + 7 per tensor + 4 per dimension).
+Plus one header per message (40 bytes + 3 per tensor + 4 per dimension).
 """
 
 from __future__ import annotations
