@@ -104,3 +104,26 @@ def test_bad_topology_starts_nothing():
     res = subprocess.run(afd_cmd("--prompt", "x", "--attention-devices", "cpu:0-1", "--ffn-devices", "cpu:1"),
                          capture_output=True, text=True, timeout=60, env=env_with(AFD_RUN_ID=run_id))
     assert res.returncode == 2 and "CPU core 1" in res.stderr and "must not overlap" in res.stderr
+
+
+def test_ctrl_c_stops_every_rank():
+    run_id = uuid.uuid4().hex[:12]
+    proc = subprocess.Popen(
+        afd_cmd("--prompt", "ROMEO:", "--max-tokens", "900", "--ignore-eos", "--attention-ranks", "2", "--ffn-ranks", "1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(AFD_RUN_ID=run_id),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(run_processes(run_id)) < 4 and time.monotonic() < deadline:  # launcher + 3 ranks
+            time.sleep(0.2)
+        time.sleep(3.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    deadline = time.monotonic() + 5
+    while run_processes(run_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not run_processes(run_id)
