@@ -26,6 +26,8 @@ ARCHITECTURES = {
 
 
 def read_config_json(model_dir: Path) -> dict[str, Any]:
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a model directory needs a Hugging Face config.json")
