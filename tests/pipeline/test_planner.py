@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from afd.pipeline import CostModel, plan_microbatches
+
+chunks_st = st.lists(st.tuples(st.integers(0, 50), st.integers(1, 12)), min_size=1, max_size=6)
+
+
+def flat_tokens(chunks):
+    return [(i, s + j) for i, (s, n) in enumerate(chunks) for j in range(n)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(chunks_st, st.integers(1, 8), st.sampled_from(["request", "token"]))
+def test_every_token_once_in_order_in_contiguous_pieces(chunks, m, policy):
+    plan = plan_microbatches(chunks, m, policy)
+    got = [(sp.seq, sp.start + j) for piece in plan.pieces for sp in piece for j in range(sp.length)]
+    assert got == flat_tokens(chunks)
+    assert all(piece for piece in plan.pieces)
+    units = len(chunks) if policy == "request" else sum(n for _, n in chunks)
+    assert plan.num_microbatches == min(m, units)
+    assert (plan.degraded is not None) == (m > units)
+    if policy == "request":
+        seqs = [{sp.seq for sp in piece} for piece in plan.pieces]
+        for piece in plan.pieces:
+            for sp in piece:  # whole requests only
+                assert (sp.start, sp.length) == chunks[sp.seq]
+
+
+def brute_force(weights, m):
+    best = float("inf")
+    n = len(weights)
+    for cuts in itertools.combinations(range(1, n), m - 1):
+        bounds = [0, *cuts, n]
+        best = min(best, max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(chunks_st, st.integers(1, 4), st.sampled_from(["request", "token"]))
+def test_cost_is_within_rounding_of_the_brute_force_optimum(chunks, m, policy):
+    cost = CostModel()
+    plan = plan_microbatches(chunks, m, policy, cost)
+    if policy == "request":
+        weights = [cost.span_cost(s, n) for s, n in chunks]
+    else:
+        weights = [cost.token_cost(p) for _, p in flat_tokens(chunks)]
+    k = min(m, len(weights))
+    if len(weights) > 14:
+        return  # brute force too slow
+    assert max(plan.costs) <= brute_force(weights, k) * (1 + 1e-9)
+
+
+def test_token_split_of_one_long_prompt_gives_the_earlier_piece_more_tokens():
+    plan = plan_microbatches([(0, 1000)], 2, "token", CostModel(attn_context=0.01))
+    first, second = (sum(sp.length for sp in piece) for piece in plan.pieces)
+    assert first > second and first + second == 1000
+    assert plan.imbalance < 1.01
+    # raw token counts would split 500/500: the cost model is what moves the cut
+    assert plan_microbatches([(0, 1000)], 2, "token", CostModel(attn_context=0.0)).pieces[0][0].length == 500
+
+
+def test_impossible_splits_degrade_explicitly():
+    plan = plan_microbatches([(7, 1)], 4, "token")
+    assert plan.num_microbatches == 1 and "4 micro-batches requested, only 1 tokens" in plan.degraded
+    plan = plan_microbatches([(0, 5), (0, 3)], 3, "request")
+    assert plan.num_microbatches == 2 and "only 2 requests" in plan.degraded
+
+
+@pytest.mark.parametrize("m, policy, message", [(0, "token", "num_microbatches"), (9, "token", "num_microbatches"), (2, "chunk", "split policy")])
+def test_bad_arguments(m, policy, message):
+    with pytest.raises(ValueError, match=message):
+        plan_microbatches([(0, 4)], m, policy)
