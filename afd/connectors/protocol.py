@@ -200,6 +200,8 @@ def decode_payload(header: Header, payload: bytes | memoryview, receiver: str) -
             f"{receiver}: truncated payload from {header.source}: {len(payload)} of {header.payload_bytes} bytes "
             f"(layer {header.layer}, seq {header.seq})"
         )
+    if isinstance(payload, bytes):  # read-only: torch.frombuffer wants a writable buffer
+        payload = bytearray(payload)
     tensors, off = {}, 0
     for spec in header.tensors:
         n = spec.num_bytes
