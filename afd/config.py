@@ -209,3 +209,39 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How an attention rank runs one step over the connector; a per-step setting, not a launch property.
+
+    mode              ``sync``: one micro-batch, dispatch then wait, per layer;
+                      ``async``: ``num_microbatches`` micro-batches ping-ponged so that
+                      attention of one overlaps the transfer and FFN work of the others
+    num_microbatches  1..8 (async)
+    split             ``request`` (cut between sequences) or ``token`` (cut anywhere)
+    credits           max dispatches in flight per attention rank (default: num_microbatches)
+    """
+
+    mode: str = "sync"
+    num_microbatches: int = 2
+    split: str = "token"
+    credits: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"--mode must be sync or async, got {self.mode!r}")
+        if not 1 <= self.num_microbatches <= 8:
+            raise ValueError(f"--num-microbatches must be in [1, 8], got {self.num_microbatches}")
+        if self.split not in ("request", "token"):
+            raise ValueError(f"--split must be request or token, got {self.split!r}")
+        if self.credits is not None and not 1 <= self.credits <= 8:
+            raise ValueError(f"credits must be in [1, 8], got {self.credits}")
+
+    @property
+    def effective_microbatches(self) -> int:
+        return 1 if self.mode == "sync" else self.num_microbatches
+
+    @property
+    def effective_credits(self) -> int:
+        return self.credits or self.effective_microbatches

@@ -16,6 +16,7 @@ VARIABLES: dict[str, str] = {
     "AFD_RUN_ID": "per-run id the launcher sets on every process it starts (a supervisor may preset it)",
     "AFD_RANK": "set by the launcher on each rank process: its name, e.g. 'ffn rank 1'",
     "AFD_IO_LOG": "1: log every connector send and receive header (INFO level)",
+    "AFD_FFN_DELAY_MS": "testing/benchmarks only: FFN ranks sleep this long per computed batch (a slow FFN side)",
     "AFD_FAULT": "testing only: inject a protocol fault on attention rank 0's N-th work message "
     "(corrupt-header|wrong-layer|wrong-seq|truncate[@N], default N=3)",
 }
@@ -56,3 +57,9 @@ def fault() -> tuple[str, int] | None:
     if kind not in kinds:
         raise ValueError(f"AFD_FAULT must be one of {', '.join(kinds)} (optionally @N), got {value!r}")
     return kind, int(nth or 3)
+
+
+def ffn_delay() -> float:
+    """Seconds an FFN rank sleeps per computed batch (AFD_FFN_DELAY_MS; 0 = off)."""
+    value = os.environ.get("AFD_FFN_DELAY_MS")
+    return float(value) / 1000 if value else 0.0

@@ -2,57 +2,176 @@
 
 Same interface as the monolithic :class:`~afd.engine.runner.ModelRunner`, so
 the engine's step loop does not know whether it runs split or not.
+
+One step:
+
+1. the planner cuts the batch into micro-batches (one in ``sync`` mode);
+2. every micro-batch's token ids, chunks and :class:`AttentionMetadata` are
+   built before any of them runs -- each owns its metadata, nothing is shared;
+3. the runner executes the ping-pong schedule: ATTENTION (micro-batch, layer),
+   DISPATCH (send the FFN input, or run a locally placed FFN half), COMBINE
+   (receive, add to the residual), in exactly the order the schedule yields.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from afd.config import CacheConfig
-from afd.connectors.endpoints import AttentionEndpoint
+from afd.config import CacheConfig, PipelineConfig
+from afd.connectors.endpoints import AttentionEndpoint, DispatchHandle
 from afd.distributed.topology import Topology
 from afd.engine.runner import ModelRunner
-from afd.kvcache import SeqChunk, build_attention_metadata
+from afd.kvcache import AttentionMetadata, SeqChunk, build_attention_metadata
 from afd.models.base import MoEModel, Observer
+from afd.pipeline import Action, CostModel, MicrobatchPlan, plan_microbatches, ping_pong
+from afd.types import Routing
+
+
+@dataclass(slots=True)
+class _Microbatch:
+    """The state of one micro-batch through the layers (owned by it alone)."""
+
+    index: int
+    token_ids: torch.Tensor  # [t] int64
+    meta: AttentionMetadata
+    hidden: torch.Tensor | None = None  # [t, H] layer input
+    residual: torch.Tensor | None = None
+    ffn_input: torch.Tensor | None = None
+    routing: Routing | None = None
+    handle: DispatchHandle | None = None
+    local_out: torch.Tensor | None = None  # FFN half computed on this rank
+    captured: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceEvent:
+    """One executed schedule step on this rank (perf_counter seconds)."""
+
+    start: float
+    end: float
+    action: str
+    microbatch: int
+    layer: int
+    seq: int
+    in_flight: int
 
 
 class DisaggregatedRunner(ModelRunner):
-    def __init__(self, model: MoEModel, cache: CacheConfig, endpoint: AttentionEndpoint, topology: Topology) -> None:
+    def __init__(
+        self,
+        model: MoEModel,
+        cache: CacheConfig,
+        endpoint: AttentionEndpoint,
+        topology: Topology,
+        pipeline: PipelineConfig = PipelineConfig(),
+        cost: CostModel = CostModel(),
+    ) -> None:
         super().__init__(model, cache, "cpu")
         self.endpoint = endpoint
         self.topology = topology
+        self.pipeline = pipeline
+        self.cost = cost
         self.seq = 0  # step sequence number, increasing per attention rank
+        self.trace: list[TraceEvent] | None = None  # set to [] to record
+        self.last_plan: MicrobatchPlan | None = None
 
+    # ------------------------------------------------------------------ planning
+    def _microbatches(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk]) -> tuple[list[_Microbatch], list[tuple[int, int]]]:
+        plan = plan_microbatches([(c.start, c.length) for c in chunks], self.pipeline.effective_microbatches, self.pipeline.split, self.cost)
+        self.last_plan = plan
+        offsets, acc = [], 0
+        for c in chunks:
+            offsets.append(acc)
+            acc += c.length
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        last_rows: list[tuple[int, int]] = [(-1, -1)] * len(chunks)  # seq -> (micro-batch, row) of its last token
+        mbs = []
+        for k, piece in enumerate(plan.pieces):
+            rows, mb_chunks, n = [], [], 0
+            for span in piece:
+                c = chunks[span.seq]
+                first = offsets[span.seq] + span.start - c.start
+                rows.append(ids[first : first + span.length])
+                mb_chunks.append(SeqChunk(c.block_table, span.start, span.length))
+                n += span.length
+                if span.start + span.length == c.end:
+                    last_rows[span.seq] = (k, n - 1)
+            meta = build_attention_metadata(mb_chunks, self.cache_config.block_size, self.device)
+            mbs.append(_Microbatch(k, torch.cat(rows), meta))
+        return mbs, last_rows
+
+    # ------------------------------------------------------------------ execution
     @torch.inference_mode()
     def execute(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk], observer: Observer | None = None) -> torch.Tensor:
-        m, t = self.model, self.topology
-        meta = build_attention_metadata(chunks, self.cache_config.block_size, self.device)
+        m = self.model
         self.seq += 1
-        hidden = m.embed(torch.tensor(token_ids, dtype=torch.long))
-        for i in range(m.config.num_layers):
-            if observer is not None:
-                observer(i, "layer_input", hidden)
-            out = m.attention(i, hidden, meta, self.kv_cache.layer(i))
-            if observer is not None:
-                observer(i, "attn_output", out.residual)
-            is_moe = m.config.is_moe_layer(i)
-            if not is_moe and t.dense_on == "attention":
-                y = m.dense_mlp(i, out.ffn_input)
+        mbs, last_rows = self._microbatches(token_ids, chunks)  # all metadata first
+        for mb in mbs:
+            mb.hidden = m.embed(mb.token_ids)
+        record = observer is not None
+        credits = min(self.pipeline.effective_credits, len(mbs)) if len(mbs) > 1 else 1
+        for step in ping_pong(len(mbs), m.config.num_layers, credits):
+            t0 = time.perf_counter()
+            mb = mbs[step.microbatch]
+            if step.action is Action.ATTENTION:
+                self._attention(mb, step.layer, record)
+            elif step.action is Action.DISPATCH:
+                self._dispatch(mb, step.layer)
             else:
-                routing = m.router(i, out.ffn_input) if is_moe and t.gate == "attention" else None
-                if routing is not None and observer is not None:
-                    observer(i, "topk_ids", routing.topk_ids)
-                handle = self.endpoint.dispatch(i, self.seq, out.ffn_input, routing, is_moe)
-                y = self.endpoint.combine(handle, m.config.hidden_size, hidden.dtype)
-                if is_moe and t.shared_experts_on == "attention":
-                    shared = m.shared_experts(i, out.ffn_input)
-                    if shared is not None:
-                        y = y + shared
-            hidden = out.residual + y
-            if observer is not None:
-                observer(i, "ffn_output", hidden)
-        if observer is not None:
-            observer(m.config.num_layers, "final_hidden", m.model.norm(hidden))
-        return m.head(hidden[meta.last_token])
+                self._combine(mb, step.layer, record)
+            if self.trace is not None:
+                self.trace.append(TraceEvent(t0, time.perf_counter(), step.action.value, step.microbatch, step.layer, self.seq, self.endpoint.num_in_flight))
+        if record:
+            self._emit(mbs, observer)
+        final = torch.stack([mbs[k].hidden[row] for k, row in last_rows])
+        return m.head(final)
+
+    def _attention(self, mb: _Microbatch, layer: int, record: bool) -> None:
+        m, t = self.model, self.topology
+        if record:
+            mb.captured[(layer, "layer_input")] = mb.hidden
+        out = m.attention(layer, mb.hidden, mb.meta, self.kv_cache.layer(layer))
+        mb.residual, mb.ffn_input = out.residual, out.ffn_input
+        if record:
+            mb.captured[(layer, "attn_output")] = out.residual
+        is_moe = m.config.is_moe_layer(layer)
+        mb.routing = m.router(layer, out.ffn_input) if is_moe and t.gate == "attention" else None
+        if record and mb.routing is not None:
+            mb.captured[(layer, "topk_ids")] = mb.routing.topk_ids
+
+    def _dispatch(self, mb: _Microbatch, layer: int) -> None:
+        m, t = self.model, self.topology
+        is_moe = m.config.is_moe_layer(layer)
+        if not is_moe and t.dense_on == "attention":
+            mb.local_out = m.dense_mlp(layer, mb.ffn_input)
+            return
+        mb.handle = self.endpoint.dispatch(layer, self.seq, mb.ffn_input, mb.routing, is_moe, microbatch=mb.index)
+
+    def _combine(self, mb: _Microbatch, layer: int, record: bool) -> None:
+        m, t = self.model, self.topology
+        if mb.handle is None:
+            y = mb.local_out
+        else:
+            y = self.endpoint.combine(mb.handle, m.config.hidden_size, mb.hidden.dtype)
+            if m.config.is_moe_layer(layer) and t.shared_experts_on == "attention":
+                shared = m.shared_experts(layer, mb.ffn_input)
+                if shared is not None:
+                    y = y + shared
+        mb.hidden = mb.residual + y
+        mb.handle = mb.local_out = mb.routing = mb.residual = mb.ffn_input = None
+        if record:
+            mb.captured[(layer, "ffn_output")] = mb.hidden
+
+    def _emit(self, mbs: list[_Microbatch], observer: Observer) -> None:
+        """Captured boundaries in the batch's token order (micro-batches are contiguous pieces of it)."""
+        m = self.model
+        for layer in range(m.config.num_layers):
+            for boundary in ("layer_input", "attn_output", "topk_ids", "ffn_output"):
+                parts = [mb.captured[(layer, boundary)] for mb in mbs if (layer, boundary) in mb.captured]
+                if parts:
+                    observer(layer, boundary, torch.cat(parts))
+        observer(m.config.num_layers, "final_hidden", m.model.norm(torch.cat([mb.hidden for mb in mbs])))

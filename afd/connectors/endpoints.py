@@ -55,6 +55,9 @@ class AttentionEndpoint:
         self.owner = torch.tensor(placement.expert_to_rank, dtype=torch.long)  # [E] logical expert -> FFN rank
         self.timeout = timeout
         self.designated = topology.designated_ffn_rank(self.rank)
+        # several dispatches may be in flight (async micro-batches): results are matched by key
+        self._handles: dict[tuple[int, int, int], DispatchHandle] = {}
+        self._stash: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
 
     def dispatch(
         self,
@@ -95,17 +98,33 @@ class AttentionEndpoint:
                         TensorName.WEIGHTS: routing.topk_weights[rows].float(),
                     },
                 )
+        handle = DispatchHandle(seq, layer, microbatch, num_tokens, {r: rows for r, (rows, _, _) in plan.items()})
+        key = (seq, layer, microbatch)
+        if key in self._handles:
+            raise ProtocolError(f"{self.mailbox.name}: dispatch of (seq {seq}, layer {layer}, micro-batch {microbatch}) twice")
+        self._handles[key] = handle
+        self._stash[key] = {}
         for r, (rows, ops, tensors) in plan.items():
             header = Header(Kind.WORK, Role.ATTENTION, self.rank, r, layer, microbatch, seq, len(rows), ops)
             self.mailbox.send(r, make_message(header, tensors))
-        return DispatchHandle(seq, layer, microbatch, num_tokens, {r: rows for r, (rows, _, _) in plan.items()})
+        return handle
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._handles)
 
     def _shared_here(self, ffn_rank: int) -> bool:
         return self.topology.shared_experts_on == "ffn" and ffn_rank == self.designated
 
     def combine(self, handle: DispatchHandle, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
-        """Receive every partial result of ``handle``; return their sum [T, H], added in FFN-rank order."""
-        partial: dict[int, torch.Tensor] = {}
+        """Receive every partial result of ``handle``; return their sum [T, H], added in FFN-rank order.
+
+        Results of other in-flight dispatches that arrive meanwhile are kept for their own combine.
+        """
+        key = (handle.seq, handle.layer, handle.microbatch)
+        if self._handles.get(key) is not handle:
+            raise ProtocolError(f"{self.mailbox.name}: combine of a handle that is not in flight: {key}")
+        partial = self._stash[key]
         deadline = time.monotonic() + self.timeout
         me = self.mailbox.name
         while len(partial) < len(handle.rows):
@@ -115,30 +134,43 @@ class AttentionEndpoint:
                 waiting = sorted(set(handle.rows) - set(partial))
                 raise ConnectorTimeout(
                     f"{me}: no result from FFN ranks {waiting} for layer {handle.layer} seq {handle.seq} "
-                    f"within {self.timeout:.0f} s"
+                    f"micro-batch {handle.microbatch} within {self.timeout:.0f} s"
                 )
-            h = msg.header
-            if h.kind == Kind.ERROR:
-                text = bytes(msg.get(TensorName.TEXT).tolist()).decode(errors="replace")
-                raise RemoteError(f"{me}: {h.source} failed: {text}")
-            if h.kind == Kind.HEARTBEAT:
-                continue
-            h.expect(me, kind=Kind.RESULT, seq=handle.seq, layer=handle.layer, microbatch=handle.microbatch)
-            r = h.src_index
-            if r not in handle.rows or r in partial:
-                raise ProtocolError(f"{me}: unexpected result from {h.source} for layer {h.layer} seq {h.seq}")
-            rows = handle.rows[r]
-            out = msg.get(TensorName.OUTPUT)
-            if h.num_tokens != len(rows) or tuple(out.shape) != (len(rows), hidden_size):
-                raise ProtocolError(
-                    f"{me}: result from {h.source} has {h.num_tokens} rows of shape {list(out.shape)}, "
-                    f"expected {len(rows)} x {hidden_size}"
-                )
-            partial[r] = out
+            self._accept(msg, hidden_size)
+        del self._handles[key], self._stash[key]
         total = torch.zeros(handle.num_tokens, hidden_size, dtype=dtype)
         for r in sorted(partial):  # fixed rank order, never arrival order
             total.index_add_(0, handle.rows[r], partial[r].to(dtype))
         return total
+
+    def _accept(self, msg: Message, hidden_size: int) -> None:
+        """Check one incoming message against the dispatches in flight and stash its result."""
+        h, me = msg.header, self.mailbox.name
+        if h.kind == Kind.ERROR:
+            text = bytes(msg.get(TensorName.TEXT).tolist()).decode(errors="replace")
+            raise RemoteError(f"{me}: {h.source} failed: {text}")
+        if h.kind == Kind.HEARTBEAT:
+            return
+        if h.kind != Kind.RESULT:
+            raise ProtocolError(f"{me}: unexpected {h.kind.name} from {h.source}")
+        key = (h.seq, h.layer, h.microbatch)
+        handle = self._handles.get(key)
+        if handle is None:
+            raise ProtocolError(
+                f"{me}: message from {h.source} does not pair: (seq {h.seq}, layer {h.layer}, micro-batch {h.microbatch}) "
+                f"matches no dispatch in flight {sorted(self._handles)}"
+            )
+        r = h.src_index
+        if r not in handle.rows or r in self._stash[key]:
+            raise ProtocolError(f"{me}: unexpected result from {h.source} for layer {h.layer} seq {h.seq}")
+        rows = handle.rows[r]
+        out = msg.get(TensorName.OUTPUT)
+        if h.num_tokens != len(rows) or tuple(out.shape) != (len(rows), hidden_size):
+            raise ProtocolError(
+                f"{me}: result from {h.source} has {h.num_tokens} rows of shape {list(out.shape)}, "
+                f"expected {len(rows)} x {hidden_size}"
+            )
+        self._stash[key][r] = out
 
     def shutdown(self) -> None:
         for r in range(self.topology.num_ffn_ranks):

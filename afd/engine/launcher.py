@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Sequence
 
-from afd.config import SamplingParams
+from afd.config import PipelineConfig, SamplingParams
 from afd.connectors.factory import LinkSpec
 from afd.connectors.protocol import Role
 from afd.connectors.transport import LoopbackHub
@@ -76,6 +76,7 @@ class _Rank:
     ready: ReadyReport | None = None
     done: bool = False  # said bye / exited as asked
     failed: bool = False  # already reported
+    final_stats: Any = None  # what the rank said on exit (FFN: items, batches, mean expert GEMM rows)
 
     @property
     def sentinel(self):
@@ -93,6 +94,7 @@ class Cluster:
         ready_timeout: float = 180.0,
         link_timeout: float = 60.0,
         io_log: bool = False,
+        pipeline: PipelineConfig = PipelineConfig(),
         nnodes: int = 1,
         node_rank: int = 0,
         master_addr: str = "127.0.0.1",
@@ -105,6 +107,7 @@ class Cluster:
         if nnodes > 1 and not master_port:
             raise ValueError("a multi-node run needs --master-port (and --master-addr: node 0's address)")
         self.nnodes, self.node_rank = nnodes, node_rank
+        self.pipeline = pipeline
         self.master_addr, self.master_port = master_addr, master_port
         self.model_dir = Path(model_dir)
         self.topology = topology
@@ -135,7 +138,9 @@ class Cluster:
         os.environ["AFD_RUN_ID"] = self.run_id  # inherited by every rank process
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"afd-{self.run_id}-", dir=base))
-        link = LinkSpec(t.transport, self.run_dir, slot_bytes=self._slot_bytes(), connect_timeout=self.ready_timeout,
+        # 9 slots per direction: up to 8 micro-batches in flight plus a control message, so a
+        # full ring can never block both sides at once
+        link = LinkSpec(t.transport, self.run_dir, num_slots=9, slot_bytes=self._slot_bytes(), connect_timeout=self.ready_timeout,
                         io_log=self.io_log, num_attention=t.num_attention_ranks, num_ffn=t.num_ffn_ranks)
         if t.transport == "torch":
             import datetime
@@ -160,7 +165,7 @@ class Cluster:
         ctx = mp.get_context("spawn")
         try:
             for role, index in build_launch_order(t, self.local_roles()):
-                spec = RankSpec(role, index, self.model_dir, t, self.placement, link, self.engine, self.link_timeout)
+                spec = RankSpec(role, index, self.model_dir, t, self.placement, link, self.engine, self.link_timeout, self.pipeline)
                 parent, child = ctx.Pipe()
                 if t.transport == "loopback":
                     proc = threading.Thread(target=run_rank, args=(spec, child, self._hub, False), name=spec.name, daemon=True)
@@ -216,6 +221,7 @@ class Cluster:
                     log.info("%s READY (pid %d): %d tensors, %.1f MB read", r.spec.name, msg[1].pid, len(msg[1].tensors), msg[1].bytes_read / 1e6)
                 elif msg[0] == "bye":
                     r.done = True
+                    r.final_stats = msg[1]
                 else:
                     got.append((r, msg))
         for r in self.ranks:
@@ -251,7 +257,12 @@ class Cluster:
     def attention_ranks(self) -> list[_Rank]:
         return [r for r in self.ranks if r.spec.role == Role.ATTENTION]
 
-    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        pipeline: PipelineConfig | None = None,
+    ) -> list[RequestOutput]:
         """Balance prompts over the attention ranks by load (prompt tokens), run them, return in prompt order."""
         prompts = list(prompts)
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -265,7 +276,7 @@ class Cluster:
         busy = {}
         for r, idx in zip(ranks, assigned):
             if idx:
-                r.conn.send(("generate", [prompts[i] for i in idx], [per_prompt[i] for i in idx]))
+                r.conn.send(("generate", [prompts[i] for i in idx], [per_prompt[i] for i in idx], pipeline))
                 busy[id(r)] = idx
         results: dict[int, RequestOutput] = {}
         deadline = time.monotonic() + 24 * 3600

@@ -22,7 +22,7 @@ import torch
 
 from afd import env
 from afd.attention.runner import DisaggregatedRunner
-from afd.config import EngineConfig
+from afd.config import EngineConfig, PipelineConfig
 from afd.connectors.endpoints import AttentionEndpoint
 from afd.connectors.factory import LinkSpec, make_mailbox
 from afd.connectors.protocol import Role, rank_name
@@ -55,6 +55,7 @@ class RankSpec:
     link: LinkSpec
     engine: EngineArgs = field(default_factory=EngineArgs)
     link_timeout: float = 60.0
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     @property
     def name(self) -> str:
@@ -140,7 +141,7 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
     e = spec.engine
     dtype = model.model.embed_tokens.weight.dtype
     cache = cache_config_for(model, e.kv_cache_memory, e.block_size, dtype)
-    runner = DisaggregatedRunner(model, cache, endpoint, t)
+    runner = DisaggregatedRunner(model, cache, endpoint, t, spec.pipeline)
     config = EngineConfig(cache=cache, max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                           dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
     engine = LLMEngine(model, Tokenizer(spec.model_dir), config, runner)
@@ -149,8 +150,17 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
         while True:
             cmd = conn.recv()
             if cmd[0] == "generate":
-                _, prompts, params = cmd
+                _, prompts, params, pipeline = cmd
+                runner.pipeline = pipeline or spec.pipeline  # a per-step setting, not a launch property
                 conn.send(("outputs", engine.generate(prompts, params)))
+            elif cmd[0] == "pipeline":
+                runner.pipeline = cmd[1]
+                conn.send(("pipeline", cmd[1]))
+            elif cmd[0] == "trace":
+                runner.trace = [] if cmd[1] else None
+                conn.send(("trace", None))
+            elif cmd[0] == "get_trace":
+                conn.send(("get_trace", (list(runner.trace or []), runner.last_plan)))
             elif cmd[0] == "capture":
                 conn.send(("capture", _capture(engine, cmd[1])))
             elif cmd[0] == "stats":
@@ -181,7 +191,8 @@ def _ffn_main(spec: RankSpec, conn, hub) -> None:
     conn.send(("ready", ready))
     try:
         worker = FFNWorker(model, mailbox, spec.topology.num_attention_ranks)
+        worker.delay = env.ffn_delay()
         worker.serve()
-        conn.send(("bye", mailbox.stats))
+        conn.send(("bye", worker.stats()))
     finally:
         mailbox.close()

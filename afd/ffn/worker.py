@@ -1,14 +1,20 @@
-"""The FFN worker loop: receive a work item, compute, send the result. It never needs the request schedule.
+"""The FFN worker loop: receive work items, compute, send results. It never needs the request schedule.
+
+It batches: after the first work item arrives, every item already waiting is
+drained too, and items of the same layer and operations -- from any attention
+rank and any micro-batch -- run as one grouped GEMM per expert; each sender
+still gets its own result, with its own header.
 
 Every work item is checked before it is computed: a known layer, operations
-that fit that layer, and, per attention rank, (sequence, layer) strictly
-increasing -- a message from the past or a skipped layer is a protocol error
+that fit that layer, and, per attention rank, (sequence, layer, micro-batch)
+strictly increasing (the ping-pong schedule dispatches in that order) -- a message from the past or a skipped layer is a protocol error
 naming both ranks, never a silently mispaired tensor.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -16,6 +22,7 @@ from afd.connectors.endpoints import error_message, parse_work, result_message
 from afd.connectors.protocol import Kind, Op, ProtocolError
 from afd.connectors.transport import Mailbox
 from afd.models.base import MoEModel
+from afd.types import Routing
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +35,12 @@ class FFNWorker:
         self.poll_interval = poll_interval
         self.items_served = 0
         self.tokens_served = 0
-        self._last: dict[int, tuple[int, int]] = {}  # attention rank -> last (seq, layer)
+        self.batches = 0  # grouped computations (one or more work items each)
+        self.expert_gemms = 0  # expert GEMM pairs run
+        self.expert_gemm_rows = 0  # rows over all of them
+        self.max_drain = 64
+        self.delay = 0.0  # seconds slept per batch: a slow FFN side, for tests and benchmarks
+        self._last: dict[int, tuple[int, int, int]] = {}  # attention rank -> last (seq, layer, micro-batch)
 
     def compute(self, layer: int, ops: Op, hidden: torch.Tensor, routing) -> torch.Tensor:
         m = self.model
@@ -36,12 +48,29 @@ class FFNWorker:
             return m.dense_mlp(layer, hidden)
         if Op.ROUTE in ops:
             routing = m.router(layer, hidden)
+        self._count_gemms(routing.topk_ids)
         out = m.experts(layer, hidden, routing)
         if Op.SHARED in ops:
             shared = m.shared_experts(layer, hidden)
             if shared is not None:
                 out = out + shared
         return out
+
+    def _count_gemms(self, ids: torch.Tensor) -> None:
+        held = torch.tensor(self.model.expert_ids, dtype=ids.dtype)
+        mine = ids[torch.isin(ids, held)]
+        if mine.numel():
+            counts = torch.bincount(mine)
+            self.expert_gemms += int((counts > 0).sum())
+            self.expert_gemm_rows += int(mine.numel())
+
+    @property
+    def mean_gemm_rows(self) -> float:
+        return self.expert_gemm_rows / max(1, self.expert_gemms)
+
+    def stats(self) -> dict[str, float]:
+        return {"items": self.items_served, "tokens": self.tokens_served, "batches": self.batches,
+                "expert_gemms": self.expert_gemms, "mean_gemm_rows": self.mean_gemm_rows}
 
     def _check(self, h) -> None:
         me = self.mailbox.name
@@ -50,12 +79,14 @@ class FFNWorker:
             raise ProtocolError(f"{me}: work from {h.source} for layer {h.layer}, the model has {cfg.num_layers}")
         if (Op.DENSE in h.ops) == cfg.is_moe_layer(h.layer):
             raise ProtocolError(f"{me}: work from {h.source} asks for ops {int(h.ops)} on layer {h.layer}, which is {'an MoE' if cfg.is_moe_layer(h.layer) else 'a dense'} layer")
+        key = (h.seq, h.layer, h.microbatch)
         last = self._last.get(h.src_index)
-        if last is not None and (h.seq, h.layer) <= last:
+        if last is not None and key <= last:
             raise ProtocolError(
-                f"{me}: work from {h.source} out of order: (seq {h.seq}, layer {h.layer}) after (seq {last[0]}, layer {last[1]})"
+                f"{me}: work from {h.source} out of order: (seq {h.seq}, layer {h.layer}, micro-batch {h.microbatch}) "
+                f"after (seq {last[0]}, layer {last[1]}, micro-batch {last[2]})"
             )
-        self._last[h.src_index] = (h.seq, h.layer)
+        self._last[h.src_index] = key
 
     @torch.inference_mode()
     def serve(self) -> None:
@@ -65,25 +96,52 @@ class FFNWorker:
             msg = self.mailbox.recv(self.poll_interval)
             if msg is None:
                 continue  # idle is not failure
-            h = msg.header
-            if h.kind == Kind.SHUTDOWN:
-                open_ranks.discard(h.src_index)
-                self.mailbox.forget(h.src_index)
-                continue
-            if h.kind == Kind.HEARTBEAT:
-                continue
-            try:
-                if h.kind != Kind.WORK:
-                    raise ProtocolError(f"{self.mailbox.name}: unexpected {h.kind.name} from {h.source}")
-                self._check(h)
-                item = parse_work(msg, self.mailbox.name)
-                out = self.compute(h.layer, h.ops, item.hidden, item.routing)
-            except ProtocolError as e:
-                self._report(h.src_index, str(e))
-                raise
-            self.mailbox.send(h.src_index, result_message(h, self.mailbox.index, out.to(item.hidden.dtype)))
-            self.items_served += 1
-            self.tokens_served += h.num_tokens
+            batch = [msg]
+            while len(batch) < self.max_drain:  # everything already waiting joins this round
+                more = self.mailbox.recv(0.0)
+                if more is None:
+                    break
+                batch.append(more)
+            work = []
+            for msg in batch:
+                h = msg.header
+                if h.kind == Kind.SHUTDOWN:
+                    open_ranks.discard(h.src_index)
+                    self.mailbox.forget(h.src_index)
+                elif h.kind == Kind.HEARTBEAT:
+                    continue
+                else:
+                    try:
+                        if h.kind != Kind.WORK:
+                            raise ProtocolError(f"{self.mailbox.name}: unexpected {h.kind.name} from {h.source}")
+                        self._check(h)
+                        work.append(parse_work(msg, self.mailbox.name))
+                    except ProtocolError as e:
+                        self._report(h.src_index, str(e))
+                        raise
+            self._serve_batch(work)
+
+    def _serve_batch(self, work: list) -> None:
+        groups: dict[tuple[int, int], list] = {}
+        for item in work:
+            groups.setdefault((item.header.layer, int(item.header.ops)), []).append(item)
+        for (layer, ops), items in groups.items():
+            hidden = torch.cat([it.hidden for it in items])
+            routing = None
+            if items[0].routing is not None:
+                routing = Routing(torch.cat([it.routing.topk_ids for it in items]), torch.cat([it.routing.topk_weights for it in items]))
+            out = self.compute(layer, Op(ops), hidden, routing).to(hidden.dtype)
+            if self.delay:
+                time.sleep(self.delay)
+            self.batches += 1
+            start = 0
+            for it in items:
+                n = it.hidden.shape[0]
+                h = it.header
+                self.mailbox.send(h.src_index, result_message(h, self.mailbox.index, out[start : start + n]))
+                start += n
+                self.items_served += 1
+                self.tokens_served += n
 
     def _report(self, attention_rank: int, text: str) -> None:
         try:
