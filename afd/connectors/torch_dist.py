@@ -75,6 +75,7 @@ class TorchMailbox(Mailbox):
                 elif role == Role.FFN and index == f:
                     self.groups[a] = g
         self.socks: dict[int, socket.socket] = {}
+        self._pending: list[tuple[object, torch.Tensor]] = []  # isend works not yet completed
         if role == Role.FFN:
             self._accept(master_addr, timeout)
         else:
@@ -114,8 +115,15 @@ class TorchMailbox(Mailbox):
         except OSError:
             raise PeerDiedError(f"{self.name}: {self.peer_name(peer)} is gone (control socket closed)") from None
         if data:
+            # isend, never a blocking send: with micro-batches in flight both sides of a link may be
+            # sending at once, and two blocking sends facing each other would never complete
             tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            dist.send(tensor, dst=self._peer_global(peer), group=self.groups[peer], tag=self.me)
+            work = dist.isend(tensor, dst=self._peer_global(peer), group=self.groups[peer], tag=self.me)
+            self._pending.append((work, tensor))  # the buffer lives until the send completes
+        self._reap()
+
+    def _reap(self) -> None:
+        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
 
     def _recv(self, timeout: float):
         if not self._sock_peer:
@@ -135,6 +143,7 @@ class TorchMailbox(Mailbox):
                 f"{self.name}: truncated payload from {who}: {plen} of {header.payload_bytes} bytes announced "
                 f"(layer {header.layer}, seq {header.seq})"
             )
+        self._reap()
         buf = torch.empty(plen, dtype=torch.uint8)
         if plen:
             dist.recv(buf, src=self._peer_global(peer), group=self.groups[peer], tag=self._peer_global(peer))
@@ -146,6 +155,12 @@ class TorchMailbox(Mailbox):
             self._sock_peer.pop(sock.fileno(), None)
 
     def close(self) -> None:
+        for work, _ in self._pending:
+            try:
+                work.wait()
+            except RuntimeError:
+                pass  # the peer is gone; nothing left to deliver
+        self._pending.clear()
         for s in self.socks.values():
             try:
                 s.close()
