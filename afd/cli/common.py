@@ -61,7 +61,10 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transport", choices=["loopback", "shm", "torch"], default="shm",
                    help="loopback: ranks as threads of one process; shm: processes on this host (default); torch: torch.distributed (gloo on CPU)")
     g.add_argument("--gate", choices=["attention", "ffn"], default="attention", help="where the router runs (default attention: per-expert M2N routing)")
-    g.add_argument("--mode", choices=["sync"], default="sync", help="sync: each layer dispatches, then waits for the combine")
+    g.add_argument("--mode", choices=["sync", "async"], default="async",
+                   help="async (default): micro-batches ping-ponged so attention overlaps transfer and FFN work; sync: dispatch, then wait, per layer")
+    g.add_argument("--num-microbatches", type=int, default=2, help="micro-batches per step in async mode (1..8, default 2)")
+    g.add_argument("--split", choices=["request", "token"], default="token", help="cut micro-batches between requests, or anywhere (default)")
     g.add_argument("--dense-on", choices=["attention", "ffn"], default="attention", help="where dense-layer MLPs run")
     g.add_argument("--shared-experts-on", choices=["attention", "ffn"], default="attention", help="where shared experts run")
     g.add_argument("--placement", help="explicit expert placement, e.g. 0-3:0,4-7:1 (default: contiguous blocks)")
@@ -83,7 +86,6 @@ def topology_from_args(args: argparse.Namespace, num_experts: int):
         args.ffn_ranks,
         transport=args.transport,
         gate=args.gate,
-        mode=args.mode,
         dense_on=args.dense_on,
         shared_experts_on=args.shared_experts_on,
         placement=ExpertPlacement.parse(args.placement, num_experts) if args.placement else None,
@@ -91,3 +93,9 @@ def topology_from_args(args: argparse.Namespace, num_experts: int):
     if topology is not None:
         validate_topology(topology, num_experts)
     return topology
+
+
+def pipeline_from_args(args: argparse.Namespace):
+    from afd.config import PipelineConfig
+
+    return PipelineConfig(mode=args.mode, num_microbatches=args.num_microbatches, split=args.split)

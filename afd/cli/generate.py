@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from afd.cli.common import add_engine_args, add_topology_args, resolve_model, topology_from_args
+from afd.cli.common import add_engine_args, add_topology_args, pipeline_from_args, resolve_model, topology_from_args
 from afd.config import SamplingParams
 
 log = logging.getLogger("afd.generate")
@@ -67,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
         from afd.engine.ranks import EngineArgs
 
         engine_args = EngineArgs(args.dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_num_batched_tokens)
-        log.info("disaggregated: model %s, %s", model_dir, topology)
-        cluster = Cluster(model_dir, topology, engine_args, io_log=env.io_log(), nnodes=args.nnodes,
+        log.info("disaggregated: model %s, %s, %s", model_dir, topology, pipeline_from_args(args))
+        cluster = Cluster(model_dir, topology, engine_args, io_log=env.io_log(), pipeline=pipeline_from_args(args), nnodes=args.nnodes,
                           node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
         with cluster:
             if not cluster.attention_ranks():  # an FFN-only node of a multi-node run

@@ -13,7 +13,6 @@ from typing import Sequence
 TRANSPORTS = ("loopback", "shm", "torch")
 GATE_PLACEMENTS = ("attention", "ffn")
 SIDES = ("attention", "ffn")
-MODES = ("sync",)
 
 
 class TopologyError(ValueError):
@@ -133,7 +132,6 @@ class Topology:
     ffn_devices: tuple[DeviceSpec, ...]
     transport: str = "shm"
     gate: str = "attention"
-    mode: str = "sync"
     dense_on: str = "attention"
     shared_experts_on: str = "attention"
     placement: ExpertPlacement | None = None  # None: contiguous blocks
@@ -162,7 +160,6 @@ def validate_topology(topology: Topology, num_experts: int) -> ExpertPlacement:
     for name, value, allowed in (
         ("transport", t.transport, TRANSPORTS),
         ("gate", t.gate, GATE_PLACEMENTS),
-        ("mode", t.mode, MODES),
         ("dense-on", t.dense_on, SIDES),
         ("shared-experts-on", t.shared_experts_on, SIDES),
     ):

@@ -330,6 +330,13 @@ class Cluster:
                 proc.kill()
                 proc.join(2.0)
         for r in self.ranks:
+            try:
+                while r.conn.poll():  # last words: the exit counters of each rank
+                    msg = r.conn.recv()
+                    if msg[0] == "bye":
+                        r.done, r.final_stats = True, msg[1]
+            except (EOFError, OSError):
+                pass
             r.conn.close()
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -144,7 +144,8 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
     runner = DisaggregatedRunner(model, cache, endpoint, t, spec.pipeline)
     config = EngineConfig(cache=cache, max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                           dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
-    engine = LLMEngine(model, Tokenizer(spec.model_dir), config, runner)
+    tokenizer = Tokenizer(spec.model_dir) if (Path(spec.model_dir) / "tokenizer.json").is_file() else None  # token ids only
+    engine = LLMEngine(model, tokenizer, config, runner)
     conn.send(("ready", ready))
     try:
         while True:

@@ -40,6 +40,7 @@ class FFNWorker:
         self.expert_gemm_rows = 0  # rows over all of them
         self.max_drain = 64
         self.delay = 0.0  # seconds slept per batch: a slow FFN side, for tests and benchmarks
+        self.busy_s = 0.0  # time spent computing
         self._last: dict[int, tuple[int, int, int]] = {}  # attention rank -> last (seq, layer, micro-batch)
 
     def compute(self, layer: int, ops: Op, hidden: torch.Tensor, routing) -> torch.Tensor:
@@ -70,7 +71,8 @@ class FFNWorker:
 
     def stats(self) -> dict[str, float]:
         return {"items": self.items_served, "tokens": self.tokens_served, "batches": self.batches,
-                "expert_gemms": self.expert_gemms, "mean_gemm_rows": self.mean_gemm_rows}
+                "expert_gemms": self.expert_gemms, "mean_gemm_rows": self.mean_gemm_rows, "busy_s": self.busy_s,
+                "items_per_batch": self.items_served / max(1, self.batches)}
 
     def _check(self, h) -> None:
         me = self.mailbox.name
@@ -130,7 +132,9 @@ class FFNWorker:
             routing = None
             if items[0].routing is not None:
                 routing = Routing(torch.cat([it.routing.topk_ids for it in items]), torch.cat([it.routing.topk_weights for it in items]))
+            t0 = time.perf_counter()
             out = self.compute(layer, Op(ops), hidden, routing).to(hidden.dtype)
+            self.busy_s += time.perf_counter() - t0
             if self.delay:
                 time.sleep(self.delay)
             self.batches += 1

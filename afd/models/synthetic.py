@@ -77,3 +77,51 @@ def random_model(raw_config: dict[str, Any], dtype: torch.dtype, std: float = 0.
         module_name, _, attr = name.rpartition(".")
         model.get_submodule(module_name)._parameters[attr] = nn.Parameter(value, requires_grad=False)
     return model.eval()
+
+
+@torch.no_grad()
+def write_random_checkpoint(raw_config: dict[str, Any], path, dtype: torch.dtype = torch.bfloat16, std: float = 0.02, seed: int = 0) -> None:
+    """Write a random-weight checkpoint in the Hugging Face layout (per-expert keys), shard by shard."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from afd.models.loader import _plan
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = parse_hf_config(raw_config)
+    model = build_meta_model(config)
+    params = dict(model.named_parameters())
+    gen = torch.Generator().manual_seed(seed)
+    shard: dict[str, torch.Tensor] = {}
+    weight_map: dict[str, str] = {}
+    size, index = 0, 0
+
+    def flush() -> None:
+        nonlocal shard, size, index
+        if shard:
+            name = f"model-{index:05d}.safetensors"
+            save_file(shard, path / name, metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+            shard, size, index = {}, 0, index + 1
+
+    for c in _plan(model, range(config.moe.num_experts)):
+        shape = params[c.param].shape
+        if c.index is not None:
+            shape = shape[1:]
+        if c.rows is not None:
+            shape = (c.rows.stop - c.rows.start, *shape[1:])
+        t_dtype = torch.float32 if (c.source.endswith("mlp.gate.weight") and config.moe.router_fp32) else dtype
+        if c.source.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=t_dtype)
+        else:
+            t = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen).to(t_dtype)
+        shard[c.source] = t
+        size += t.numel() * t.element_size()
+        if size > (1 << 30):
+            flush()
+    flush()
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps({**raw_config, "dtype": str(dtype).removeprefix("torch.")}, indent=2))

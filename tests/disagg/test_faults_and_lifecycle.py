@@ -51,7 +51,7 @@ def env_with(**extra) -> dict[str, str]:
 def test_protocol_faults_fail_loudly_naming_both_ranks(transport, fault, expect):
     run_id = uuid.uuid4().hex[:12]
     res = subprocess.run(
-        afd_cmd("--prompt", "ROMEO:", "--max-tokens", "8", "--attention-ranks", "1", "--ffn-ranks", "1", "--transport", transport, "--dtype", "float32"),
+        afd_cmd("--prompt", "ROMEO:", "--max-tokens", "8", "--attention-ranks", "1", "--ffn-ranks", "1", "--transport", transport, "--dtype", "float32", "--mode", "sync"),
         capture_output=True, text=True, timeout=120, env=env_with(AFD_FAULT=f"{fault}@3", AFD_RUN_ID=run_id),
     )
     assert res.returncode != 0
@@ -67,7 +67,7 @@ def test_killing_an_ffn_rank_fails_the_job_fast_and_leaves_nothing():
     run_id = uuid.uuid4().hex[:12]
     prompts = [a for p in ("ROMEO:", "KING.", "To be", "Enter") for a in ("--prompt", p)]
     proc = subprocess.Popen(
-        afd_cmd(*prompts, "--max-tokens", "900", "--ignore-eos", "--attention-ranks", "1", "--ffn-ranks", "2", "--transport", "shm"),
+        afd_cmd(*prompts, "--max-tokens", "900", "--ignore-eos", "--attention-ranks", "1", "--ffn-ranks", "2", "--transport", "shm", "--mode", "async", "--num-microbatches", "2"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(AFD_RUN_ID=run_id),
     )
     try:
@@ -109,7 +109,7 @@ def test_bad_topology_starts_nothing():
 def test_ctrl_c_stops_every_rank():
     run_id = uuid.uuid4().hex[:12]
     proc = subprocess.Popen(
-        afd_cmd("--prompt", "ROMEO:", "--max-tokens", "900", "--ignore-eos", "--attention-ranks", "2", "--ffn-ranks", "1"),
+        afd_cmd("--prompt", "ROMEO:", "--max-tokens", "900", "--ignore-eos", "--attention-ranks", "2", "--ffn-ranks", "1", "--mode", "sync"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(AFD_RUN_ID=run_id),
     )
     try:

@@ -17,7 +17,8 @@ import pytest
 from afd.cli.common import BUILTIN_MODEL
 
 ARGS = ["--prompt", "ROMEO:", "--prompt", "KING.\nWhat say you", "--prompt", "To be", "--max-tokens", "16",
-        "--dtype", "float32", "--json", "--attention-ranks", "2", "--ffn-ranks", "2", "--transport", "torch"]
+        "--dtype", "float32", "--json", "--attention-ranks", "2", "--ffn-ranks", "2", "--transport", "torch",
+        "--mode", "async", "--num-microbatches", "2", "--split", "token"]
 
 
 def afd(*args):

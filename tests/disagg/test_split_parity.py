@@ -13,7 +13,7 @@ import itertools
 import pytest
 
 from afd.cli.common import BUILTIN_MODEL
-from afd.config import SamplingParams
+from afd.config import PipelineConfig, SamplingParams
 from afd.distributed.topology import Topology, parse_devices
 from afd.engine.launcher import Cluster
 from afd.engine.ranks import EngineArgs
@@ -56,7 +56,7 @@ def test_loopback_full_product(references, case, a, f):
     path, model, ref_values, ref_logits = references[case]
     for gate, dense_on, shared_on in SETTINGS:
         t = topology(a, f, transport="loopback", gate=gate, dense_on=dense_on, shared_experts_on=shared_on)
-        with Cluster(path, t, ENGINE) as cluster:
+        with Cluster(path, t, ENGINE, pipeline=PipelineConfig("sync")) as cluster:
             check_cluster(cluster, model, ref_values, ref_logits, gate)
 
 
@@ -82,13 +82,13 @@ def test_real_processes(references, transport, a, f, case, gate, dense_on, share
     else:
         path, model, ref_values, ref_logits = references[case]
     t = topology(a, f, transport=transport, gate=gate, dense_on=dense_on, shared_experts_on=shared_on)
-    with Cluster(path, t, ENGINE) as cluster:
+    with Cluster(path, t, ENGINE, pipeline=PipelineConfig("sync")) as cluster:
         assert all(r.ready.pid != 0 for r in cluster.ranks) and len(set(cluster.pids())) == a + f
         check_cluster(cluster, model, ref_values, ref_logits, gate)
         if case == "builtin":
             tok = Tokenizer(path)
             prompts = ["ROMEO:", "KING.\nWhat say you", "Enter a Messenger.\n\n", "To be, or not"]
-            outs = cluster.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+            outs = cluster.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), PipelineConfig("sync"))
             for prompt, out in zip(prompts, outs):
                 ref, gaps = support.greedy_with_gaps(model, tok.encode(prompt), 24)
                 report = compare_greedy(ref, out.token_ids, gaps)

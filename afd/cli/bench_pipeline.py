@@ -1,0 +1,141 @@
+"""``afd bench pipeline``: the async pipeline against sync on the same topology, and against monolithic.
+
+Each mode gets its own launch (so the FFN rank's counters at exit belong to
+it); inside a launch the workload runs ``--runs`` times after a warm-up.
+Reported per mode: median step time, attention busy % and bubble % (from the
+attention rank's runtime trace), FFN busy % and mean rows per expert GEMM
+(from the FFN rank), in-flight depth; then the speed-ups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from afd.config import PipelineConfig, SamplingParams
+
+
+def add_parser(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("pipeline", help="async vs sync vs monolithic on one topology")
+    p.add_argument("model", nargs="?", help="model directory (default: a synthetic DeepSeek-V2-Lite-shaped checkpoint written to a temp dir)")
+    p.add_argument("--synthetic-layers", type=int, default=4, help="layers of the synthetic model (first dense)")
+    p.add_argument("--attention-devices", default="cpu:0")
+    p.add_argument("--ffn-devices", default="cpu:1")
+    p.add_argument("--transport", default="shm", choices=["shm", "torch"])
+    p.add_argument("--num-seqs", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--num-microbatches", type=int, default=2)
+    p.add_argument("--split", choices=["request", "token"], default="token")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--json", dest="json_out")
+    p.set_defaults(func=run)
+
+
+def _workload(vocab: int, args) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.num_seqs)]
+
+
+def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict:
+    from afd.distributed.topology import Topology, parse_devices
+    from afd.engine.launcher import Cluster
+    from afd.engine.ranks import EngineArgs
+
+    topo = Topology(parse_devices(args.attention_devices), parse_devices(args.ffn_devices), transport=args.transport)
+    engine = EngineArgs(dtype="auto", kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len))
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    times, busy, inflight = [], [], []
+    with Cluster(model_dir, topo, engine, pipeline=pipeline) as cluster:
+        cluster.generate(prompts, params, pipeline)  # warm-up
+        for _ in range(args.runs):
+            cluster.request(0, ("trace", True), "trace")
+            t0 = time.perf_counter()
+            cluster.generate(prompts, params, pipeline)
+            wall = time.perf_counter() - t0
+            events, _ = cluster.request(0, ("get_trace", None), "get_trace")
+            times.append(wall)
+            span = max(e.end for e in events) - min(e.start for e in events)
+            attn = sum(e.end - e.start for e in events if e.action in ("attention", "dispatch"))
+            busy.append(attn / span)
+            inflight.append(statistics.mean(e.in_flight for e in events if e.action == "dispatch"))
+        ffn_rank = next(r for r in cluster.ranks if r.spec.role.name == "FFN")
+    stats = ffn_rank.final_stats or {}
+    total = sum(times) + times[0]  # the FFN counters include the warm-up
+    return {
+        "step_s": statistics.median(times),
+        "attention_busy": statistics.median(busy),
+        "bubble": 1 - statistics.median(busy),
+        "ffn_busy": stats.get("busy_s", 0.0) / total,
+        "mean_in_flight": statistics.median(inflight),
+        "mean_gemm_rows": stats.get("mean_gemm_rows", 0.0),
+        "items_per_ffn_batch": stats.get("items_per_batch", 0.0),
+    }
+
+
+def _run_monolithic(model_dir: Path, args, prompts) -> dict:
+    from afd.engine.llm_engine import LLMEngine
+
+    torch.set_num_threads(2)
+    engine = LLMEngine.from_pretrained(model_dir, kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len))
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts, params)
+    times = []
+    for _ in range(args.runs):
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        times.append(time.perf_counter() - t0)
+    return {"step_s": statistics.median(times)}
+
+
+def run(args: argparse.Namespace) -> int:
+    from afd.models import load_model_config
+    from afd.models.synthetic import deepseek_v2_lite_shaped, write_random_checkpoint
+
+    tmp = None
+    if args.model:
+        model_dir = Path(args.model)
+        label = str(model_dir)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="afd-bench-model-")
+        model_dir = Path(tmp.name)
+        print(f"writing a synthetic DeepSeek-V2-Lite-shaped bf16 checkpoint ({args.synthetic_layers} layers) to {model_dir}", file=sys.stderr)
+        write_random_checkpoint(deepseek_v2_lite_shaped(num_layers=args.synthetic_layers), model_dir)
+        label = f"synthetic DeepSeek-V2-Lite-shaped, {args.synthetic_layers} layers, bf16"
+    try:
+        prompts = _workload(load_model_config(model_dir).vocab_size, args)
+        results = {
+            "sync": _run_split(model_dir, args, PipelineConfig("sync"), prompts),
+            f"async m={args.num_microbatches}": _run_split(model_dir, args, PipelineConfig("async", args.num_microbatches, args.split), prompts),
+            "monolithic (2 threads)": _run_monolithic(model_dir, args, prompts),
+        }
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    header = ("mode", "run s", "attn busy", "bubble", "ffn busy", "in flight", "GEMM rows", "items/batch")
+    rows = [header]
+    for name, r in results.items():
+        if "attention_busy" in r:
+            rows.append((name, f"{r['step_s']:.3f}", f"{100 * r['attention_busy']:.0f}%", f"{100 * r['bubble']:.0f}%",
+                         f"{100 * r['ffn_busy']:.0f}%", f"{r['mean_in_flight']:.2f}", f"{r['mean_gemm_rows']:.1f}", f"{r['items_per_ffn_batch']:.2f}"))
+        else:
+            rows.append((name, f"{r['step_s']:.3f}", "", "", "", "", "", ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    a = results[f"async m={args.num_microbatches}"]["step_s"]
+    s_ = results["sync"]["step_s"]
+    mono = results["monolithic (2 threads)"]["step_s"]
+    print(f"summary: {label}; {args.attention_devices} attention / {args.ffn_devices} FFN over {args.transport}; "
+          f"{args.num_seqs} seqs x {args.prompt_len} prompt + {args.new_tokens} new, median of {args.runs}: "
+          f"async m={args.num_microbatches} {s_ / a:.2f}x vs sync, {mono / a:.2f}x vs monolithic")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"model": label, "results": results, "args": vars(args) | {"func": None}}, indent=2, default=str))
+    return 0
