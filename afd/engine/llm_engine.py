@@ -74,7 +74,8 @@ class LLMEngine:
             dtype="bfloat16" if model_dtype == torch.bfloat16 else "float32",
             device=device,
         )
-        return cls(model, Tokenizer(model_dir), config)
+        has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()  # without one, prompts are token ids
+        return cls(model, Tokenizer(model_dir) if has_tokenizer else None, config)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams) -> int:
