@@ -129,7 +129,11 @@ class AttentionEndpoint:
         me = self.mailbox.name
         while len(partial) < len(handle.rows):
             left = deadline - time.monotonic()
-            msg = self.mailbox.recv(max(0.0, left)) if left > 0 else None
+            msg = self.mailbox.recv(min(left, 0.5)) if left > 0 else None
+            if msg is None and left > 0:
+                # a rank we wait on that sends nothing, not even a heartbeat, is hung
+                self.mailbox.check_silence(peers=set(handle.rows) - set(partial))
+                continue
             if msg is None:
                 waiting = sorted(set(handle.rows) - set(partial))
                 raise ConnectorTimeout(
@@ -171,6 +175,21 @@ class AttentionEndpoint:
                 f"expected {len(rows)} x {hidden_size}"
             )
         self._stash[key][r] = out
+
+    def handshake(self) -> None:
+        """HELLO to every FFN rank and HELLO back from each: the protocol version is checked on both sides
+        (Header.unpack refuses another version, naming the sender) before any work is sent."""
+        for r in range(self.topology.num_ffn_ranks):
+            self.mailbox.send(r, make_message(Header(Kind.HELLO, Role.ATTENTION, self.rank, r), {}))
+        waiting = set(range(self.topology.num_ffn_ranks))
+        deadline = time.monotonic() + self.timeout
+        while waiting:
+            left = deadline - time.monotonic()
+            msg = self.mailbox.recv(left) if left > 0 else None
+            if msg is None:
+                raise ConnectorTimeout(f"{self.mailbox.name}: no HELLO from FFN ranks {sorted(waiting)} within {self.timeout:.0f} s")
+            msg.header.expect(self.mailbox.name, kind=Kind.HELLO)
+            waiting.discard(msg.header.src_index)
 
     def shutdown(self) -> None:
         for r in range(self.topology.num_ffn_ranks):

@@ -23,6 +23,8 @@ class LinkSpec:
     num_ffn: int = 1
     master_addr: str = "127.0.0.1"  # torch transport: where the launcher's TCPStore listens
     master_port: int = 0
+    heartbeat_interval: float = 1.0  # seconds; 0 disables heartbeats
+    link_timeout: float = 60.0  # a peer silent this long is reported as hung
 
 
 def make_mailbox(spec: LinkSpec, role: Role, index: int, num_peers: int, hub: LoopbackHub | None = None) -> Mailbox:

@@ -217,10 +217,11 @@ class ShmMailbox(Mailbox):
         except BrokenPipeError:
             pass  # the producer is gone; its death is reported on the data FIFO
 
-    def forget(self, peer: int) -> None:
+    def _forget(self, peer: int) -> None:
         self._fd_peer.pop(self._data_r.get(peer, -1), None)
 
     def close(self) -> None:
+        self.stop_heartbeats()
         for fds in (self._data_r, self._space_r, self._data_w, self._space_w):
             for fd in fds.values():
                 try:

@@ -149,12 +149,13 @@ class TorchMailbox(Mailbox):
             dist.recv(buf, src=self._peer_global(peer), group=self.groups[peer], tag=self._peer_global(peer))
         return peer, header_bytes, memoryview(buf.numpy())
 
-    def forget(self, peer: int) -> None:
+    def _forget(self, peer: int) -> None:
         sock = self.socks.get(peer)
         if sock is not None:
             self._sock_peer.pop(sock.fileno(), None)
 
     def close(self) -> None:
+        self.stop_heartbeats()
         for work, _ in self._pending:
             try:
                 work.wait()

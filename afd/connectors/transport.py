@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -29,10 +30,16 @@ class ConnectorTimeout(TimeoutError):
     """A wait on a link ran past its timeout."""
 
 
+class PeerSilentError(PeerDiedError):
+    """A peer sent nothing, not even a heartbeat, for longer than the link timeout (hung or cut off)."""
+
+
 @dataclass
 class LinkStats:
     messages_sent: int = 0
     messages_received: int = 0
+    heartbeats_sent: int = 0
+    heartbeats_received: int = 0
     bytes_sent: int = 0  # header + payload
     bytes_received: int = 0
     payload_bytes_sent: dict[int, int] = field(default_factory=dict)  # per peer
@@ -51,6 +58,56 @@ class Mailbox(ABC):
         self.io_log = io_log
         self.fault: tuple[str, int] | None = None  # (kind, n): corrupt the n-th work message (tests)
         self._work_sent = 0
+        self._send_lock = threading.Lock()  # the heartbeat thread sends too
+        self._last_sent: dict[int, float] = {}
+        self._last_seen: dict[int, float] = {}  # peer -> monotonic time of its last message
+        self._silent_ok: set[int] = set()  # peers that said SHUTDOWN
+        self._heartbeat: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.link_timeout: float | None = None
+
+    # ------------------------------------------------------------------ liveness
+    def start_heartbeats(self, interval: float, link_timeout: float, only_when=None) -> None:
+        """Send a HEARTBEAT on every link that carried nothing for ``interval`` s, and treat a peer silent
+        for ``link_timeout`` s as gone. ``interval`` 0 disables heartbeats (silence is still detected).
+        ``only_when()``: beat only while it is true (an FFN rank beats while it computes, so that an idle
+        attention rank's receive ring never fills with heartbeats nobody reads)."""
+        if interval and interval >= link_timeout:
+            raise ValueError(f"heartbeat interval {interval} s must be below the link timeout {link_timeout} s")
+        self.link_timeout = link_timeout
+        now = time.monotonic()
+        self._last_seen = {p: now for p in range(self.num_peers)}
+        if interval:
+            self._heartbeat = threading.Thread(target=self._beat, args=(interval, only_when), name=f"{self.name} heartbeat", daemon=True)
+            self._heartbeat.start()
+
+    def _beat(self, interval: float, only_when) -> None:
+        while not self._stop.wait(interval / 2):
+            if only_when is not None and not only_when():
+                continue
+            now = time.monotonic()
+            for peer in range(self.num_peers):
+                if peer in self._silent_ok or now - self._last_sent.get(peer, 0.0) < interval:
+                    continue
+                try:
+                    self.send(peer, Message(Header(Kind.HEARTBEAT, self.role, self.index, peer)))
+                    self.stats.heartbeats_sent += 1
+                except Exception:  # the receiver side reports a dead peer; the beat just stops
+                    return
+
+    def check_silence(self, peers=None) -> None:
+        """Raise PeerSilentError if a live peer (of ``peers``, default all) has been silent past the link timeout."""
+        if self.link_timeout is None:
+            return
+        now = time.monotonic()
+        for peer, seen in self._last_seen.items():
+            if peers is not None and peer not in peers:
+                continue
+            if peer not in self._silent_ok and now - seen > self.link_timeout:
+                raise PeerSilentError(
+                    f"{self.name}: {self.peer_name(peer)} sent nothing for {now - seen:.1f} s "
+                    f"(link timeout {self.link_timeout:.1f} s): hung, or heartbeats are off"
+                )
 
     def peer_name(self, peer: int) -> str:
         return rank_name(self.peer_role, peer)
@@ -62,7 +119,9 @@ class Mailbox(ABC):
             self._work_sent += 1
             if self._work_sent == self.fault[1]:
                 header_bytes, payload = inject(self.fault[0], message.header, header_bytes, payload)
-        self._send(peer, header_bytes, payload)
+        with self._send_lock:
+            self._send(peer, header_bytes, payload)
+            self._last_sent[peer] = time.monotonic()
         n_payload = sum(len(p) for p in payload)
         self.stats.messages_sent += 1
         self.stats.bytes_sent += len(header_bytes) + n_payload
@@ -91,6 +150,9 @@ class Mailbox(ABC):
             self._release()
         self.stats.messages_received += 1
         self.stats.bytes_received += n + payload_len
+        self._last_seen[peer] = time.monotonic()
+        if header.kind == Kind.HEARTBEAT:
+            self.stats.heartbeats_received += 1
         if self.io_log:
             log.info("%s <- %s: %s", self.name, header.source, _describe(header))
         return message
@@ -106,9 +168,19 @@ class Mailbox(ABC):
 
     def forget(self, peer: int) -> None:
         """Stop listening to a peer that said SHUTDOWN: its link closing later is not a death."""
+        self._silent_ok.add(peer)
+        self._forget(peer)
+
+    def _forget(self, peer: int) -> None:
+        """Transport part of :meth:`forget`."""
+
+    def stop_heartbeats(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=2)
 
     def close(self) -> None:
-        pass
+        self.stop_heartbeats()
 
 
 def _describe(h: Header) -> str:

@@ -95,6 +95,7 @@ class Cluster:
         link_timeout: float = 60.0,
         io_log: bool = False,
         pipeline: PipelineConfig = PipelineConfig(),
+        heartbeat_interval: float = 1.0,
         nnodes: int = 1,
         node_rank: int = 0,
         master_addr: str = "127.0.0.1",
@@ -108,6 +109,7 @@ class Cluster:
             raise ValueError("a multi-node run needs --master-port (and --master-addr: node 0's address)")
         self.nnodes, self.node_rank = nnodes, node_rank
         self.pipeline = pipeline
+        self.heartbeat_interval = heartbeat_interval
         self.master_addr, self.master_port = master_addr, master_port
         self.model_dir = Path(model_dir)
         self.topology = topology
@@ -141,7 +143,8 @@ class Cluster:
         # 9 slots per direction: up to 8 micro-batches in flight plus a control message, so a
         # full ring can never block both sides at once
         link = LinkSpec(t.transport, self.run_dir, num_slots=9, slot_bytes=self._slot_bytes(), connect_timeout=self.ready_timeout,
-                        io_log=self.io_log, num_attention=t.num_attention_ranks, num_ffn=t.num_ffn_ranks)
+                        io_log=self.io_log, num_attention=t.num_attention_ranks, num_ffn=t.num_ffn_ranks,
+                        heartbeat_interval=self.heartbeat_interval, link_timeout=self.link_timeout)
         if t.transport == "torch":
             import datetime
 

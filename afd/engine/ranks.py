@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,6 +139,8 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
     if fault is not None and spec.index == 0:
         mailbox.fault = fault
     endpoint = AttentionEndpoint(mailbox, t, spec.placement, spec.link_timeout)
+    endpoint.handshake()  # protocol version agreed with every FFN rank before READY
+    mailbox.start_heartbeats(spec.link.heartbeat_interval, spec.link.link_timeout)
     e = spec.engine
     dtype = model.model.embed_tokens.weight.dtype
     cache = cache_config_for(model, e.kv_cache_memory, e.block_size, dtype)
@@ -166,6 +169,9 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
                 conn.send(("capture", _capture(engine, cmd[1])))
             elif cmd[0] == "stats":
                 conn.send(("stats", mailbox.stats))
+            elif cmd[0] == "sleep":  # tests: keep this rank's links idle
+                time.sleep(cmd[1])
+                conn.send(("sleep", None))
             elif cmd[0] == "shutdown":
                 endpoint.shutdown()
                 conn.send(("bye", mailbox.stats))
@@ -193,6 +199,7 @@ def _ffn_main(spec: RankSpec, conn, hub) -> None:
     try:
         worker = FFNWorker(model, mailbox, spec.topology.num_attention_ranks)
         worker.delay = env.ffn_delay()
+        mailbox.start_heartbeats(spec.link.heartbeat_interval, spec.link.link_timeout, only_when=lambda: worker.computing)
         worker.serve()
         conn.send(("bye", worker.stats()))
     finally:

@@ -19,7 +19,7 @@ import time
 import torch
 
 from afd.connectors.endpoints import error_message, parse_work, result_message
-from afd.connectors.protocol import Kind, Op, ProtocolError
+from afd.connectors.protocol import Header, Kind, Op, ProtocolError, Role, make_message
 from afd.connectors.transport import Mailbox
 from afd.models.base import MoEModel
 from afd.types import Routing
@@ -41,6 +41,7 @@ class FFNWorker:
         self.max_drain = 64
         self.delay = 0.0  # seconds slept per batch: a slow FFN side, for tests and benchmarks
         self.busy_s = 0.0  # time spent computing
+        self.computing = False  # heartbeats go out only while computing
         self._last: dict[int, tuple[int, int, int]] = {}  # attention rank -> last (seq, layer, micro-batch)
 
     def compute(self, layer: int, ops: Op, hidden: torch.Tensor, routing) -> torch.Tensor:
@@ -72,7 +73,8 @@ class FFNWorker:
     def stats(self) -> dict[str, float]:
         return {"items": self.items_served, "tokens": self.tokens_served, "batches": self.batches,
                 "expert_gemms": self.expert_gemms, "mean_gemm_rows": self.mean_gemm_rows, "busy_s": self.busy_s,
-                "items_per_batch": self.items_served / max(1, self.batches)}
+                "items_per_batch": self.items_served / max(1, self.batches),
+                "heartbeats_received": self.mailbox.stats.heartbeats_received}
 
     def _check(self, h) -> None:
         me = self.mailbox.name
@@ -97,7 +99,8 @@ class FFNWorker:
         while open_ranks:
             msg = self.mailbox.recv(self.poll_interval)
             if msg is None:
-                continue  # idle is not failure
+                self.mailbox.check_silence()  # idle is not failure; a silent attention rank is
+                continue
             batch = [msg]
             while len(batch) < self.max_drain:  # everything already waiting joins this round
                 more = self.mailbox.recv(0.0)
@@ -112,6 +115,8 @@ class FFNWorker:
                     self.mailbox.forget(h.src_index)
                 elif h.kind == Kind.HEARTBEAT:
                     continue
+                elif h.kind == Kind.HELLO:  # the version was checked when the header was read
+                    self.mailbox.send(h.src_index, make_message(Header(Kind.HELLO, Role.FFN, self.mailbox.index, h.src_index), {}))
                 else:
                     try:
                         if h.kind != Kind.WORK:
@@ -133,10 +138,14 @@ class FFNWorker:
             if items[0].routing is not None:
                 routing = Routing(torch.cat([it.routing.topk_ids for it in items]), torch.cat([it.routing.topk_weights for it in items]))
             t0 = time.perf_counter()
-            out = self.compute(layer, Op(ops), hidden, routing).to(hidden.dtype)
-            self.busy_s += time.perf_counter() - t0
-            if self.delay:
-                time.sleep(self.delay)
+            self.computing = True
+            try:
+                out = self.compute(layer, Op(ops), hidden, routing).to(hidden.dtype)
+                self.busy_s += time.perf_counter() - t0
+                if self.delay:
+                    time.sleep(self.delay)
+            finally:
+                self.computing = False
             self.batches += 1
             start = 0
             for it in items:

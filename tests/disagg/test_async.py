@@ -119,3 +119,27 @@ def test_impossible_split_degrades_explicitly(reference):
         cluster.request(0, ("capture", [PROMPTS[1]]), "capture")
         _, plan = cluster.request(0, ("get_trace", None), "get_trace")
         assert plan.num_microbatches == 1 and "only 1 requests" in plan.degraded
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch"])
+def test_idle_links_live_on_heartbeats(reference, transport):
+    """The FFN side idles for >= 3x the link timeout; heartbeats keep the links alive; then it serves correctly."""
+    model, ref_values, ref_logits = reference
+    t = topology(1, 1, transport=transport)
+    with Cluster(BUILTIN_MODEL, t, ENGINE, link_timeout=1.0, heartbeat_interval=0.2, pipeline=PipelineConfig("async", 2, "token")) as cluster:
+        cluster.request(0, ("capture", PROMPTS), "capture")
+        cluster.request(0, ("sleep", 3.5), "sleep")  # no work on any link for 3.5 s
+        values, logits = cluster.request(0, ("capture", PROMPTS), "capture")
+        assert not support.split_parity_failures(model, ref_values, ref_logits, values, logits)
+    ffn = next(r for r in cluster.ranks if r.spec.role.name == "FFN")
+    assert ffn.final_stats["heartbeats_received"] >= 10
+
+
+def test_silence_without_heartbeats_is_reported_not_hung(reference):
+    from afd.engine.launcher import RankFailedError
+
+    t = topology(1, 1, transport="shm")
+    with pytest.raises(RankFailedError, match=r"ffn rank 0 .*attention rank 0 sent nothing for .* \(link timeout 1.0 s\)"):
+        with Cluster(BUILTIN_MODEL, t, ENGINE, link_timeout=1.0, heartbeat_interval=0.0, pipeline=PipelineConfig("sync")) as cluster:
+            cluster.request(0, ("sleep", 3.0), "sleep")
+            cluster.request(0, ("capture", PROMPTS), "capture")
