@@ -58,6 +58,7 @@ class TraceEvent:
     layer: int
     seq: int
     in_flight: int
+    note: str = ""
 
 
 class DisaggregatedRunner(ModelRunner):
@@ -78,11 +79,19 @@ class DisaggregatedRunner(ModelRunner):
         self.seq = 0  # step sequence number, increasing per attention rank
         self.trace: list[TraceEvent] | None = None  # set to [] to record
         self.last_plan: MicrobatchPlan | None = None
+        self.num_steps = 0
+        self.num_degraded_steps = 0  # steps whose plan could not form the micro-batches asked for
 
     # ------------------------------------------------------------------ planning
     def _microbatches(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk]) -> tuple[list[_Microbatch], list[tuple[int, int]]]:
         plan = plan_microbatches([(c.start, c.length) for c in chunks], self.pipeline.effective_microbatches, self.pipeline.split, self.cost)
         self.last_plan = plan
+        self.num_steps += 1
+        if plan.degraded:
+            self.num_degraded_steps += 1
+            if self.trace is not None:
+                now = time.perf_counter()
+                self.trace.append(TraceEvent(now, now, "degraded", 0, -1, self.seq, 0, plan.degraded))
         offsets, acc = [], 0
         for c in chunks:
             offsets.append(acc)

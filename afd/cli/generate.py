@@ -26,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt: prompt, text, token_ids")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--trace", help="write a Chrome/Perfetto trace of every rank's spans to this file (disaggregated runs)")
     add_engine_args(p)
     add_topology_args(p)
     p.set_defaults(func=run)
@@ -50,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     from afd.models import load_model_config
 
     topology = topology_from_args(args, load_model_config(model_dir).moe.num_experts)
+    if topology is None and args.trace:
+        raise ValueError("--trace records the disaggregated runtime: add topology flags (e.g. --attention-ranks 1 --ffn-ranks 1)")
     if topology is None:
         engine = LLMEngine.from_pretrained(
             model_dir,
@@ -75,7 +78,20 @@ def run(args: argparse.Namespace) -> int:
                 cluster.wait_until_done()
                 print(f"node {args.node_rank}: FFN ranks served the run and exited", file=sys.stderr)
                 return 0
+            if args.trace:
+                for rank in range(len(cluster.attention_ranks())):
+                    cluster.request(rank, ("trace", True), "trace")
             outputs = cluster.generate(args.prompt, params)
+            attention_traces = {
+                r.spec.name: cluster.request(i, ("get_trace", None), "get_trace")[0]
+                for i, r in enumerate(cluster.attention_ranks())
+            } if args.trace else {}
+        if args.trace:
+            from afd.obs.trace import chrome_trace, write_trace
+
+            ffn_spans = {r.spec.name: (r.final_stats or {}).get("spans", []) for r in cluster.ranks if r not in cluster.attention_ranks()}
+            write_trace(args.trace, chrome_trace(attention_traces, ffn_spans))
+            print(f"trace written to {args.trace}", file=sys.stderr)
     for out in outputs:
         if args.json:
             print(json.dumps({"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}))

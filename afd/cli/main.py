@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from afd import __version__
-from afd.cli import bench, generate
+from afd.cli import bench, generate, trace
 from afd.cli.common import setup_process
 
 
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
     bench.add_parser(sub)
+    trace.add_parser(sub)
     return p
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import torch
 
@@ -42,6 +43,7 @@ class FFNWorker:
         self.delay = 0.0  # seconds slept per batch: a slow FFN side, for tests and benchmarks
         self.busy_s = 0.0  # time spent computing
         self.computing = False  # heartbeats go out only while computing
+        self.spans: deque = deque(maxlen=200_000)  # (start, end, layer, ((attention rank, mb, seq), ...), rows)
         self._last: dict[int, tuple[int, int, int]] = {}  # attention rank -> last (seq, layer, micro-batch)
 
     def compute(self, layer: int, ops: Op, hidden: torch.Tensor, routing) -> torch.Tensor:
@@ -74,7 +76,7 @@ class FFNWorker:
         return {"items": self.items_served, "tokens": self.tokens_served, "batches": self.batches,
                 "expert_gemms": self.expert_gemms, "mean_gemm_rows": self.mean_gemm_rows, "busy_s": self.busy_s,
                 "items_per_batch": self.items_served / max(1, self.batches),
-                "heartbeats_received": self.mailbox.stats.heartbeats_received}
+                "heartbeats_received": self.mailbox.stats.heartbeats_received, "spans": list(self.spans)}
 
     def _check(self, h) -> None:
         me = self.mailbox.name
@@ -141,9 +143,11 @@ class FFNWorker:
             self.computing = True
             try:
                 out = self.compute(layer, Op(ops), hidden, routing).to(hidden.dtype)
-                self.busy_s += time.perf_counter() - t0
-                if self.delay:
+                if self.delay:  # an injected slow FFN side counts as compute time
                     time.sleep(self.delay)
+                t1 = time.perf_counter()
+                self.busy_s += t1 - t0
+                self.spans.append((t0, t1, layer, tuple((it.header.src_index, it.header.microbatch, it.header.seq) for it in items), int(hidden.shape[0])))
             finally:
                 self.computing = False
             self.batches += 1

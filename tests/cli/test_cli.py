@@ -43,3 +43,26 @@ def test_bench_generate_reports_a_table_and_json(checkpoints, tmp_path):
     data = json.loads(out_json.read_text())
     assert data["workload"] == {"num_seqs": 2, "prompt_len": 8, "new_tokens": 4}
     assert data["prefill_tok_s"] > 0 and data["decode_tok_s"] > 0
+
+
+def test_trace_records_both_roles_per_layer_and_microbatch(tmp_path):
+    trace = tmp_path / "t.json"
+    afd("generate", "--prompt", "ROMEO:", "--prompt", "To be, or not", "--max-tokens", "2", "--attention-ranks", "1", "--ffn-ranks", "2",
+        "--mode", "async", "--num-microbatches", "2", "--split", "token", "--trace", str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert sorted(names.values()) == ["attention rank 0", "ffn rank 0", "ffn rank 1"]
+    spans = [e for e in events if e["ph"] == "X"]
+    attn = {(e["cat"], e["args"]["layer"], e["args"]["microbatch"]) for e in spans if names[e["pid"]] == "attention rank 0"}
+    from afd.cli.common import BUILTIN_MODEL
+    from afd.models import load_model_config
+
+    cfg = load_model_config(BUILTIN_MODEL)
+    for layer in range(cfg.num_layers):
+        for mb in (0, 1):
+            assert {("attention", layer, mb), ("dispatch", layer, mb), ("combine", layer, mb)} <= attn
+    ffn_layers = {e["args"]["layer"] for e in spans if names[e["pid"]].startswith("ffn")}
+    assert ffn_layers == set(cfg.moe.layers)
+    png = tmp_path / "t.png"
+    afd("trace", "plot", str(trace), "-o", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

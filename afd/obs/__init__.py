@@ -1,0 +1,1 @@
+"""Observability: runtime traces (Chrome/Perfetto JSON) and their timeline picture."""
