@@ -16,6 +16,8 @@ VARIABLES: dict[str, str] = {
     "AFD_RUN_ID": "per-run id the launcher sets on every process it starts (a supervisor may preset it)",
     "AFD_RANK": "set by the launcher on each rank process: its name, e.g. 'ffn rank 1'",
     "AFD_IO_LOG": "1: log every connector send and receive header (INFO level)",
+    "AFD_E2E_ATTENTION_DEVICES": "tests/e2e: the attention devices of every end-to-end case (default cpu)",
+    "AFD_E2E_FFN_DEVICES": "tests/e2e: the FFN devices of every end-to-end case (default cpu,cpu)",
     "AFD_FFN_DELAY_MS": "testing/benchmarks only: FFN ranks sleep this long per computed batch (a slow FFN side)",
     "AFD_FAULT": "testing only: inject a protocol fault on attention rank 0's N-th work message "
     "(corrupt-header|wrong-layer|wrong-seq|truncate[@N], default N=3)",
@@ -63,3 +65,8 @@ def ffn_delay() -> float:
     """Seconds an FFN rank sleeps per computed batch (AFD_FFN_DELAY_MS; 0 = off)."""
     value = os.environ.get("AFD_FFN_DELAY_MS")
     return float(value) / 1000 if value else 0.0
+
+
+def e2e_devices() -> tuple[str, str]:
+    """(attention devices, FFN devices) for the end-to-end cases, as --attention-devices/--ffn-devices values."""
+    return os.environ.get("AFD_E2E_ATTENTION_DEVICES", "cpu"), os.environ.get("AFD_E2E_FFN_DEVICES", "cpu,cpu")

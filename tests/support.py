@@ -205,8 +205,9 @@ def monolithic_capture(model, prompts: list[list[int]]):
     from afd.engine.runner import ModelRunner
     from afd.kvcache import BlockManager, SeqChunk
 
-    runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=64))
-    blocks = BlockManager(64, 16)
+    num_blocks = sum(-(-len(p) // 16) for p in prompts) + 4
+    runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=num_blocks))
+    blocks = BlockManager(num_blocks, 16)
     chunks = [SeqChunk(blocks.ensure(i, len(p)), 0, len(p)) for i, p in enumerate(prompts)]
     cap = Capture()
     logits = runner.execute([t for p in prompts for t in p], chunks, observer=cap)
