@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from afd.cli.common import add_engine_args, add_topology_args, pipeline_from_args, resolve_model, topology_from_args
 from afd.config import SamplingParams
@@ -26,6 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt: prompt, text, token_ids")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--capture", metavar="DIR", help="capture layer_input/attn_output/ffn_output/final_hidden of every token to DIR (safetensors)")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace of every rank's spans to this file (disaggregated runs)")
     add_engine_args(p)
     add_topology_args(p)
@@ -63,7 +65,14 @@ def run(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
         log.info("monolithic: model %s (%s), dtype %s, %s", model_dir, engine.model.config.architecture, engine.config.dtype, engine.config.cache)
-        outputs = engine.generate(args.prompt, params, progress=not args.no_progress and sys.stderr.isatty())
+        if args.capture:
+            from afd.obs.capture import CaptureStore
+
+            engine.capture = CaptureStore()
+        outputs = engine.generate(args.prompt, params, progress=not args.no_progress and sys.stderr.isatty(),
+                                  tags=range(len(args.prompt)))
+        if args.capture:
+            engine.capture.save(Path(args.capture) / "monolithic.safetensors")
     else:
         from afd import env
         from afd.engine.launcher import Cluster
@@ -81,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             if args.trace:
                 for rank in range(len(cluster.attention_ranks())):
                     cluster.request(rank, ("trace", True), "trace")
-            outputs = cluster.generate(args.prompt, params)
+            outputs = cluster.generate(args.prompt, params, capture_dir=args.capture)
             attention_traces = {
                 r.spec.name: cluster.request(i, ("get_trace", None), "get_trace")[0]
                 for i, r in enumerate(cluster.attention_ranks())

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from afd import __version__
-from afd.cli import bench, generate, trace
+from afd.cli import bench, capture, generate, trace
 from afd.cli.common import setup_process
 
 
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     bench.add_parser(sub)
     trace.add_parser(sub)
+    capture.add_parser(sub)
     return p
 
 

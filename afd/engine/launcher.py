@@ -265,6 +265,7 @@ class Cluster:
         prompts: Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams],
         pipeline: PipelineConfig | None = None,
+        capture_dir: str | Path | None = None,
     ) -> list[RequestOutput]:
         """Balance prompts over the attention ranks by load (prompt tokens), run them, return in prompt order."""
         prompts = list(prompts)
@@ -277,9 +278,12 @@ class Cluster:
             assigned[r].append(i)
             load[r] += len(p) + per_prompt[i].max_tokens
         busy = {}
-        for r, idx in zip(ranks, assigned):
+        for a, (r, idx) in enumerate(zip(ranks, assigned)):
             if idx:
-                r.conn.send(("generate", [prompts[i] for i in idx], [per_prompt[i] for i in idx], pipeline))
+                options = {"tags": idx}  # captures are keyed by the prompt's index in this call
+                if capture_dir is not None:
+                    options["capture"] = str(Path(capture_dir) / f"attention-rank-{a}.safetensors")
+                r.conn.send(("generate", [prompts[i] for i in idx], [per_prompt[i] for i in idx], pipeline, options))
                 busy[id(r)] = idx
         results: dict[int, RequestOutput] = {}
         deadline = time.monotonic() + 24 * 3600

@@ -52,6 +52,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seed_source = random.Random()
         self._requests: dict[int, Request] = {}
+        self.capture = None  # an afd.obs.capture.CaptureStore to record the safe boundaries of every step
 
     @classmethod
     def from_pretrained(
@@ -78,7 +79,7 @@ class LLMEngine:
         return cls(model, Tokenizer(model_dir) if has_tokenizer else None, config)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams) -> int:
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, tag: int | None = None) -> int:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass token ids")
@@ -97,6 +98,7 @@ class LLMEngine:
             )
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = Request(next(self._ids), text, prompt_ids, params, make_generator(seed))
+        request.tag = request.request_id if tag is None else tag
         max_total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         self.scheduler.add(request, max_total)
         self._requests[request.request_id] = request
@@ -114,7 +116,14 @@ class LLMEngine:
         token_ids: list[int] = []
         for item in batch:
             token_ids.extend(item.request.all_ids[item.chunk.start : item.chunk.end])
-        logits = self.runner.execute(token_ids, [item.chunk for item in batch])
+        observer, values = None, {}
+        if self.capture is not None:
+            def observer(layer: int, boundary: str, tensor: torch.Tensor) -> None:
+                values[(layer, boundary)] = tensor
+
+        logits = self.runner.execute(token_ids, [item.chunk for item in batch], observer)
+        if self.capture is not None:
+            self._record(batch, values)
         finished = []
         for item, row in zip(batch, logits):
             req = item.request
@@ -128,6 +137,18 @@ class LLMEngine:
                 self.scheduler.finish(req, reason)
                 finished.append(self._output(req))
         return finished
+
+    def _record(self, batch, values: dict) -> None:
+        from afd.obs.capture import BOUNDARIES
+
+        for (layer, boundary), tensor in values.items():
+            if boundary not in BOUNDARIES:
+                continue
+            start = 0
+            for item in batch:
+                n = item.chunk.length
+                self.capture.add(item.request.tag, range(item.chunk.start, item.chunk.end), layer, boundary, tensor[start : start + n])
+                start += n
 
     def _check_stop(self, req: Request, token: int) -> str | None:
         if token in self.eos_ids and not req.params.ignore_eos:
@@ -167,13 +188,15 @@ class LLMEngine:
         prompts: Iterable[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams],
         progress: bool = False,
+        tags: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order."""
+        """Run prompts to completion; outputs in prompt order. ``tags`` name the requests in captures."""
         prompts = list(prompts)
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        tags = list(tags) if tags is not None else [None] * len(prompts)
+        ids = [self.add_request(p, sp, tag) for p, sp, tag in zip(prompts, per_prompt, tags)]
         done: dict[int, RequestOutput] = {}
         total = sum(sp.max_tokens for sp in per_prompt)
         # no tqdm object at all unless asked: it allocates a multiprocessing lock per process

@@ -154,9 +154,17 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
         while True:
             cmd = conn.recv()
             if cmd[0] == "generate":
-                _, prompts, params, pipeline = cmd
+                _, prompts, params, pipeline, options = cmd
                 runner.pipeline = pipeline or spec.pipeline  # a per-step setting, not a launch property
-                conn.send(("outputs", engine.generate(prompts, params)))
+                if options.get("capture"):
+                    from afd.obs.capture import CaptureStore
+
+                    engine.capture = CaptureStore()
+                outputs = engine.generate(prompts, params, tags=options.get("tags"))
+                if engine.capture is not None:
+                    engine.capture.save(options["capture"])
+                    engine.capture = None
+                conn.send(("outputs", outputs))
             elif cmd[0] == "pipeline":
                 runner.pipeline = cmd[1]
                 conn.send(("pipeline", cmd[1]))

@@ -29,6 +29,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    tag: int = -1  # the caller's name for it (captures are keyed by it); defaults to request_id
 
     @property
     def all_ids(self) -> list[int]:

@@ -66,3 +66,26 @@ def test_trace_records_both_roles_per_layer_and_microbatch(tmp_path):
     png = tmp_path / "t.png"
     afd("trace", "plot", str(trace), "-o", str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_capture_diff_finds_no_divergence_across_modes_and_names_an_injected_one(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    common = ["--prompt", "ROMEO:", "--prompt", "To be, or not", "--max-tokens", "4", "--dtype", "float32", "--ignore-eos"]
+    afd("generate", *common, "--capture", str(tmp_path / "mono"))
+    afd("generate", *common, "--attention-ranks", "2", "--ffn-ranks", "1", "--mode", "async", "--num-microbatches", "2",
+        "--split", "token", "--capture", str(tmp_path / "split"))
+    res = afd("capture", "diff", str(tmp_path / "mono"), str(tmp_path / "split"))
+    assert "no divergence" in res.stdout
+    # canary: one row of one boundary changed -> named exactly
+    files = sorted((tmp_path / "split").glob("*.safetensors"))
+    (tmp_path / "bad").mkdir()
+    for f in files:
+        t = load_file(str(f))
+        if "req1.L2.attn_output" in t:
+            pos = t["req1.positions"].tolist().index(3)
+            t["req1.L2.attn_output"][pos, 5] += 1.0
+        save_file(t, str(tmp_path / "bad" / f.name))
+    res = afd("capture", "diff", str(tmp_path / "mono"), str(tmp_path / "bad"), check=False)
+    assert res.returncode == 1
+    assert "layer 2, boundary attn_output, request 1, position 3" in res.stdout, res.stdout
