@@ -163,6 +163,16 @@ class TorchMailbox(Mailbox):
                 pass  # the peer is gone; nothing left to deliver
         self._pending.clear()
         for s in self.socks.values():
+            # half-close, then read what the peer still sends until its FIN: closing a socket with
+            # unread data makes the kernel send RST, and an RST can destroy our own last frames
+            # (the SHUTDOWN) in the peer's receive queue before it reads them
+            try:
+                s.shutdown(socket.SHUT_WR)
+                s.settimeout(2.0)
+                while s.recv(65536):
+                    pass
+            except OSError:
+                pass
             try:
                 s.close()
             except OSError:
@@ -180,6 +190,8 @@ def _read_exact(sock: socket.socket, n: int, me: str, peer: str) -> bytes:
             chunk = sock.recv(n - got)
         except socket.timeout:
             chunk = None
+        except ConnectionError:
+            chunk = b""  # reset by the peer: gone
         if chunk == b"":
             raise PeerDiedError(f"{me}: {peer} is gone (control socket closed)")
         if chunk:
