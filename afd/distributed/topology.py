@@ -152,7 +152,7 @@ class Topology:
         return attention_rank % self.num_ffn_ranks
 
 
-def validate_topology(topology: Topology, num_experts: int) -> ExpertPlacement:
+def validate_topology(topology: Topology, num_experts: int, allow_accelerators: bool = False) -> ExpertPlacement:
     """Check everything that can be checked before a process starts; return the expert placement."""
     t = topology
     if not t.attention_devices or not t.ffn_devices:
@@ -186,6 +186,12 @@ def validate_topology(topology: Topology, num_experts: int) -> ExpertPlacement:
             raise TopologyError("the loopback transport runs on CPU only; use --transport torch for accelerators")
     if any(d.is_accelerator for d in (*t.attention_devices, *t.ffn_devices)) and t.transport == "shm":
         raise TopologyError("the shm transport moves CPU tensors; use --transport torch for cuda/npu devices")
+    accel = sorted({str(d) for d in (*t.attention_devices, *t.ffn_devices) if d.is_accelerator})
+    if accel and not allow_accelerators:
+        raise TopologyError(
+            f"{', '.join(accel)}: CUDA/NPU ranks are not wired yet (the split runner keeps its tensors on CPU and the "
+            "torch transport uses gloo); run on cpu devices, see docs/support-matrix.md"
+        )
     return placement
 
 

@@ -63,7 +63,12 @@ def test_explicit_placement():
 )
 def test_bad_topologies_are_rejected_with_actionable_messages(topology, message):
     with pytest.raises(TopologyError, match=message):
-        validate_topology(topology, num_experts=8)
+        validate_topology(topology, num_experts=8, allow_accelerators=True)
+
+
+def test_accelerator_ranks_are_refused_until_wired():
+    with pytest.raises(TopologyError, match="cuda:0, cuda:1: CUDA/NPU ranks are not wired yet"):
+        validate_topology(topo("cuda:0", "cuda:1", transport="torch"), num_experts=8)
 
 
 def test_device_parsing():
