@@ -221,12 +221,15 @@ class PipelineConfig:
     num_microbatches  1..8 (async)
     split             ``request`` (cut between sequences) or ``token`` (cut anywhere)
     credits           max dispatches in flight per attention rank (default: num_microbatches)
+    cost              planner cost model (attn_token, attn_context, ffn_token), e.g. fitted by
+                      ``afd bench costs``; None: the planner's defaults
     """
 
     mode: str = "sync"
     num_microbatches: int = 2
     split: str = "token"
     credits: int | None = None
+    cost: tuple[float, float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -237,6 +240,8 @@ class PipelineConfig:
             raise ValueError(f"--split must be request or token, got {self.split!r}")
         if self.credits is not None and not 1 <= self.credits <= 8:
             raise ValueError(f"credits must be in [1, 8], got {self.credits}")
+        if self.cost is not None and (len(self.cost) != 3 or min(self.cost) < 0 or max(self.cost) <= 0):
+            raise ValueError(f"cost must be three non-negative numbers (attn_token, attn_context, ffn_token), got {self.cost}")
 
     @property
     def effective_microbatches(self) -> int:

@@ -39,10 +39,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--warmup", type=int, default=1)
     g.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
     g.set_defaults(func=run_generate)
-    from afd.cli import bench_connector, bench_pipeline
+    from afd.cli import bench_connector, bench_costs, bench_pipeline
 
     bench_connector.add_parser(bsub)
     bench_pipeline.add_parser(bsub)
+    bench_costs.add_parser(bsub)
 
 
 def _load(args: argparse.Namespace):

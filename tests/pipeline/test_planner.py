@@ -76,3 +76,19 @@ def test_impossible_splits_degrade_explicitly():
 def test_bad_arguments(m, policy, message):
     with pytest.raises(ValueError, match=message):
         plan_microbatches([(0, 4)], m, policy)
+
+
+def test_cost_model_fit_feeds_the_planner(checkpoints):
+    from afd.cli.bench_costs import fit
+    from afd.config import PipelineConfig
+    from afd.models import load_model
+
+    model = load_model(checkpoints["ds-noqlora-greedy"][0], dtype="float32")[0]
+    coef = fit(model, repeats=1)
+    assert coef["attn_token"] >= 0 and coef["attn_context"] >= 0 and coef["ffn_token"] > 0
+    cost = (coef["attn_token"], coef["attn_context"], coef["ffn_token"])
+    PipelineConfig("async", 2, "token", cost=cost)
+    plan = plan_microbatches([(0, 300)], 2, "token", CostModel(*cost))
+    assert plan.num_microbatches == 2
+    with pytest.raises(ValueError, match="cost must be three"):
+        PipelineConfig("async", 2, "token", cost=(1.0, -1.0, 1.0))

@@ -1,0 +1,91 @@
+"""``afd bench costs``: fit the micro-batch planner's cost model on a model, on this machine.
+
+Times the halves of one MoE layer on synthetic chunks and fits, by least
+squares,
+
+    attention(n tokens after c cached) ~ attn_call + attn_token * n + attn_context * sum_{p=c}^{c+n-1} (p + 1)
+    ffn(n tokens)                      ~ ffn_call + ffn_token * n
+
+(seconds per token). The JSON it writes is what ``--cost-model FILE`` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from afd.cli.common import resolve_model
+
+
+def add_parser(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("costs", help="fit the micro-batch planner's cost model (attention/FFN per-token costs)")
+    p.add_argument("model", nargs="?")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", dest="json_out", help="write the fitted coefficients here (for --cost-model)")
+    p.set_defaults(func=run)
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def fit(model, repeats: int = 5) -> dict[str, float]:
+    from afd.config import CacheConfig
+    from afd.kvcache import BlockManager, PagedKVCache, SeqChunk, build_attention_metadata
+
+    cfg = model.config
+    layer = cfg.moe.layers[0]
+    dtype = model.model.embed_tokens.weight.dtype
+    block = 16
+    shapes = [(n, c) for n in (16, 64, 256) for c in (0, 256, 768)]
+    need = max(n + c for n, c in shapes)
+    blocks = BlockManager(need // block + 2, block)
+    table = blocks.ensure(0, need)
+    cache = PagedKVCache(CacheConfig(block, need // block + 2), 1, model.kv_layout(), dtype)
+    rows, t_attn = [], []
+    for n, c in shapes:
+        meta = build_attention_metadata([SeqChunk(table, c, n)], block)
+        x = torch.randn(n, cfg.hidden_size).to(dtype)
+        t_attn.append(_median_time(lambda: model.attention(layer, x, meta, cache.layer(0)), repeats))
+        rows.append([1.0, n, n * c + n * (n + 1) / 2])  # a per-call constant, so overhead is not taken for per-token cost
+    a = torch.tensor(rows, dtype=torch.float64)
+    coef = torch.linalg.lstsq(a, torch.tensor(t_attn, dtype=torch.float64).unsqueeze(1)).solution.flatten()
+    t_ffn, ns = [], (16, 64, 256, 512)
+    for n in ns:
+        x = torch.randn(n, cfg.hidden_size).to(dtype)
+        t_ffn.append(_median_time(lambda: model.ffn(layer, x), repeats))
+    f = torch.linalg.lstsq(torch.tensor([[1.0, n] for n in ns], dtype=torch.float64),
+                           torch.tensor(t_ffn, dtype=torch.float64).unsqueeze(1)).solution.flatten()
+    # the per-call constants do not move the planner's cut (every micro-batch pays them once); reported only
+    return {"attn_token": max(float(coef[1]), 0.0), "attn_context": max(float(coef[2]), 0.0), "ffn_token": max(float(f[1]), 1e-12),
+            "attn_call": float(coef[0]), "ffn_call": float(f[0])}
+
+
+def run(args: argparse.Namespace) -> int:
+    from afd.models import load_model
+
+    model_dir = resolve_model(args.model)
+    model, _ = load_model(model_dir, dtype=args.dtype)
+    coef = fit(model, args.repeats)
+    ratio = coef["ffn_token"] / coef["attn_token"] if coef["attn_token"] else float("inf")
+    print(f"attn_token    {1e6 * coef['attn_token']:.2f} us/token")
+    print(f"attn_context  {1e9 * coef['attn_context']:.3f} ns/(token x context token)")
+    print(f"ffn_token     {1e6 * coef['ffn_token']:.2f} us/token")
+    print(f"per call      attention {1e3 * coef['attn_call']:.2f} ms, FFN {1e3 * coef['ffn_call']:.2f} ms (not used by the planner)")
+    print(f"summary: {model_dir}: one MoE layer, ffn/attention per-token cost ratio {ratio:.2f}; use with --cost-model")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(coef, f, indent=2)
+    return 0
