@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -67,6 +67,18 @@ class TensorName(enum.IntEnum):
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8, torch.float8_e4m3fn]
 _DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
+# enum lookups by value, cached: constructing an IntEnum/IntFlag per field costs microseconds per message
+_KINDS = {int(k): k for k in Kind}
+_ROLES = {int(r): r for r in Role}
+_NAMES = {int(n): n for n in TensorName}
+_OPS: dict[int, Op] = {}
+
+
+def _op(value: int) -> Op:
+    op = _OPS.get(value)
+    if op is None:
+        op = _OPS[value] = Op(value)
+    return op
 
 
 def rank_name(role: Role, index: int) -> str:
@@ -133,10 +145,9 @@ class Header:
         (magic, version, kind, ops, role, src, dst, layer, mb, seq, ntok, ntensors, payload) = _FIXED.unpack_from(buf, 0)
         if magic != MAGIC:
             raise ProtocolError(f"{receiver}: bad magic {bytes(magic)!r} (expected {MAGIC!r}): corrupted or foreign message")
-        try:
-            kind, role = Kind(kind), Role(role)
-        except ValueError:
-            raise ProtocolError(f"{receiver}: unknown message kind {kind} or role {role}") from None
+        if kind not in _KINDS or role not in _ROLES:
+            raise ProtocolError(f"{receiver}: unknown message kind {kind} or role {role}")
+        kind, role = _KINDS[kind], _ROLES[role]
         sender = rank_name(role, src)
         if version != PROTOCOL_VERSION:
             raise ProtocolError(f"{receiver}: protocol version {version} from {sender}, this side speaks {PROTOCOL_VERSION}")
@@ -147,12 +158,16 @@ class Header:
                 raise ProtocolError(f"{receiver}: truncated tensor table from {sender}")
             name, dcode, ndim = _TENSOR.unpack_from(buf, off)
             off += _TENSOR.size
-            if dcode >= len(DTYPES) or name not in TensorName._value2member_map_:
+            if dcode >= len(DTYPES) or name not in _NAMES:
                 raise ProtocolError(f"{receiver}: bad tensor entry (name {name}, dtype {dcode}) from {sender}")
-            shape = tuple(_DIM.unpack_from(buf, off + 4 * i)[0] for i in range(ndim))
+            shape = struct.unpack_from(f"<{ndim}I", buf, off)
             off += 4 * ndim
-            specs.append(TensorSpec(TensorName(name), DTYPES[dcode], shape))
-        header = cls(kind, role, src, dst, layer, mb, seq, ntok, Op(ops), tuple(specs), version)
+            specs.append(TensorSpec(_NAMES[name], DTYPES[dcode], shape))
+        try:
+            ops = _op(ops)
+        except ValueError:
+            raise ProtocolError(f"{receiver}: unknown ops {ops} from {sender}") from None
+        header = cls(kind, role, src, dst, layer, mb, seq, ntok, ops, tuple(specs), version)
         if header.payload_bytes != payload:
             raise ProtocolError(
                 f"{receiver}: header from {sender} declares {payload} payload bytes but its tensor table sums to {header.payload_bytes}"
@@ -180,12 +195,10 @@ class Message:
 
 def make_message(header: Header, tensors: dict[TensorName, torch.Tensor]) -> Message:
     """Fill the header's tensor table from the tensors (CPU, contiguous)."""
+    if not tensors:
+        return Message(header, {})
     specs = tuple(TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
-    h = Header(
-        header.kind, header.src_role, header.src_index, header.dst_index, header.layer, header.microbatch,
-        header.seq, header.num_tokens, header.ops, specs,
-    )
-    return Message(h, dict(tensors))
+    return Message(replace(header, tensors=specs), dict(tensors))
 
 
 def encode(message: Message) -> tuple[bytes, list[torch.Tensor]]:
