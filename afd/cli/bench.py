@@ -18,7 +18,7 @@ from datetime import date
 
 import torch
 
-from afd.cli.common import resolve_model
+from afd.cli.common import print_table, resolve_model
 from afd.config import SamplingParams
 
 SYNTHETIC = ("deepseek-v2-lite",)
@@ -118,9 +118,7 @@ def run_generate(args: argparse.Namespace) -> int:
         ("prefill", str(prefill_tokens), f"{result['prefill_s_median']:.3f}", f"{result['prefill_tok_s']:.1f}"),
         ("decode", str(decode_tokens), f"{result['decode_s_median']:.3f}", f"{result['decode_tok_s']:.1f}"),
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for r in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    print_table(rows)
     print(
         f"summary: {label} {result['dtype']}, {args.num_seqs} seqs x {args.prompt_len} prompt + {args.new_tokens} new, "
         f"median of {args.runs}: prefill {result['prefill_tok_s']:.1f} tok/s, decode {result['decode_tok_s']:.1f} tok/s "

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from afd.cli.common import print_table
 from afd.connectors.factory import LinkSpec, make_mailbox
 from afd.connectors.protocol import Header, Kind, Role, TensorName, make_message
 from afd.connectors.transport import LoopbackHub
@@ -165,9 +166,7 @@ def run(args: argparse.Namespace) -> int:
         lat = [f"{1e6 * columns[n][i]:.1f}" for n in names]
         bw = [f"{nbytes / columns[n][i] / 1e9:.2f}" for n in names if n != "memcpy"]
         rows.append([str(t), str(nbytes), *lat, *bw])
-    widths = [max(len(r[j]) for r in [header, *rows]) for j in range(len(header))]
-    for r in [header, *rows]:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    print_table([header, *rows])
     mid = tokens.index(128) if 128 in tokens else len(tokens) // 2
     if "shm" in columns:
         print(

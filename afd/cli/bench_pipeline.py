@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from afd.cli.common import print_table
 from afd.config import PipelineConfig, SamplingParams
 
 
@@ -127,9 +128,7 @@ def run(args: argparse.Namespace) -> int:
                          f"{100 * r['ffn_busy']:.0f}%", f"{r['mean_in_flight']:.2f}", f"{r['mean_gemm_rows']:.1f}", f"{r['items_per_ffn_batch']:.2f}"))
         else:
             rows.append((name, f"{r['step_s']:.3f}", "", "", "", "", "", ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for r in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    print_table(rows)
     a = results[f"async m={args.num_microbatches}"]["step_s"]
     s_ = results["sync"]["step_s"]
     mono = results["monolithic (2 threads)"]["step_s"]

@@ -106,3 +106,10 @@ def pipeline_from_args(args: argparse.Namespace):
         c = json.loads(open(args.cost_model).read())
         cost = (float(c["attn_token"]), float(c["attn_context"]), float(c["ffn_token"]))
     return PipelineConfig(mode=args.mode, num_microbatches=args.num_microbatches, split=args.split, cost=cost)
+
+
+def print_table(rows: list[tuple[str, ...]] | list[list[str]]) -> None:
+    """Right-aligned columns; the first row is the header."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))

@@ -80,8 +80,11 @@ def random_model(raw_config: dict[str, Any], dtype: torch.dtype, std: float = 0.
 
 
 @torch.no_grad()
-def write_random_checkpoint(raw_config: dict[str, Any], path, dtype: torch.dtype = torch.bfloat16, std: float = 0.02, seed: int = 0) -> None:
-    """Write a random-weight checkpoint in the Hugging Face layout (per-expert keys), shard by shard."""
+def write_random_checkpoint(
+    raw_config: dict[str, Any], path, dtype: torch.dtype = torch.bfloat16, std: float = 0.02, seed: int = 0, shard_bytes: int = 1 << 30
+) -> int:
+    """Write a random-weight checkpoint in the Hugging Face layout (per-expert keys), shard by shard
+    (``model.safetensors.index.json`` + shards of about ``shard_bytes``). Returns the tensor bytes written."""
     import json
     from pathlib import Path
 
@@ -97,7 +100,7 @@ def write_random_checkpoint(raw_config: dict[str, Any], path, dtype: torch.dtype
     gen = torch.Generator().manual_seed(seed)
     shard: dict[str, torch.Tensor] = {}
     weight_map: dict[str, str] = {}
-    size, index = 0, 0
+    size, index, total = 0, 0, 0
 
     def flush() -> None:
         nonlocal shard, size, index
@@ -120,8 +123,10 @@ def write_random_checkpoint(raw_config: dict[str, Any], path, dtype: torch.dtype
             t = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen).to(t_dtype)
         shard[c.source] = t
         size += t.numel() * t.element_size()
-        if size > (1 << 30):
+        total += t.numel() * t.element_size()
+        if size > shard_bytes:
             flush()
     flush()
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (path / "config.json").write_text(json.dumps({**raw_config, "dtype": str(dtype).removeprefix("torch.")}, indent=2))
+    return total

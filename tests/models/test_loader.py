@@ -181,39 +181,18 @@ BIG_LAYERS, BIG_EXPERTS, BIG_HIDDEN, BIG_INTER = 2, 42, 1024, 1024
 
 def write_big_checkpoint(path: Path) -> int:
     """A >= 500 MB bf16 DeepSeek-V2 checkpoint in two shards; returns its tensor bytes."""
+    from afd.models.synthetic import write_random_checkpoint
+
     raw = {
         "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 512,
         "hidden_size": BIG_HIDDEN, "intermediate_size": 512, "moe_intermediate_size": BIG_INTER,
         "num_hidden_layers": BIG_LAYERS, "first_k_dense_replace": 0, "num_attention_heads": 4, "num_key_value_heads": 4,
         "q_lora_rank": None, "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
-        "n_routed_experts": BIG_EXPERTS, "n_shared_experts": 1, "num_experts_per_tok": 2, "dtype": "bfloat16",
+        "n_routed_experts": BIG_EXPERTS, "n_shared_experts": 1, "num_experts_per_tok": 2,
         "max_position_embeddings": 512, "rope_theta": 10000.0,
     }
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(raw))
-    from afd.models.loader import _plan, build_meta_model
-    from afd.models.hf_config import parse_hf_config
-
-    config = parse_hf_config(raw)
-    meta = build_meta_model(config)
-    params = dict(meta.named_parameters())
-    shards: list[dict[str, torch.Tensor]] = [{}, {}]
-    total = 0
-    for c in _plan(meta, range(BIG_EXPERTS)):
-        shape = params[c.param].shape
-        if c.index is not None:
-            shape = shape[1:]
-        if c.rows is not None:
-            shape = (c.rows.stop - c.rows.start, *shape[1:])
-        t = torch.randn(shape, dtype=torch.bfloat16 if not c.source.endswith("mlp.gate.weight") else torch.float32)
-        shards[len(shards[0]) > 300].setdefault(c.source, t)
-        total += t.numel() * t.element_size()
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-0000{i + 1}-of-00002.safetensors"
-        save_file(shard, path / name, metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    total = write_random_checkpoint(raw, path, dtype=torch.bfloat16, shard_bytes=300 << 20)
+    assert len(list(path.glob("*.safetensors"))) >= 2
     return total
 
 
