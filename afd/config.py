@@ -223,6 +223,8 @@ class PipelineConfig:
     credits           max dispatches in flight per attention rank (default: num_microbatches)
     cost              planner cost model (attn_token, attn_context, ffn_token), e.g. fitted by
                       ``afd bench costs``; None: the planner's defaults
+    min_microbatch_tokens  a step with fewer than m x this many tokens runs fewer micro-batches
+                      (1: always m when possible)
     """
 
     mode: str = "sync"
@@ -230,6 +232,7 @@ class PipelineConfig:
     split: str = "token"
     credits: int | None = None
     cost: tuple[float, float, float] | None = None
+    min_microbatch_tokens: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -240,6 +243,8 @@ class PipelineConfig:
             raise ValueError(f"--split must be request or token, got {self.split!r}")
         if self.credits is not None and not 1 <= self.credits <= 8:
             raise ValueError(f"credits must be in [1, 8], got {self.credits}")
+        if self.min_microbatch_tokens < 1:
+            raise ValueError(f"--min-microbatch-tokens must be >= 1, got {self.min_microbatch_tokens}")
         if self.cost is not None and (len(self.cost) != 3 or min(self.cost) < 0 or max(self.cost) <= 0):
             raise ValueError(f"cost must be three non-negative numbers (attn_token, attn_context, ffn_token), got {self.cost}")
 

@@ -85,7 +85,8 @@ class DisaggregatedRunner(ModelRunner):
     # ------------------------------------------------------------------ planning
     def _microbatches(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk]) -> tuple[list[_Microbatch], list[tuple[int, int]]]:
         cost = CostModel(*self.pipeline.cost) if self.pipeline.cost else self.cost
-        plan = plan_microbatches([(c.start, c.length) for c in chunks], self.pipeline.effective_microbatches, self.pipeline.split, cost)
+        plan = plan_microbatches([(c.start, c.length) for c in chunks], self.pipeline.effective_microbatches, self.pipeline.split, cost,
+                                 self.pipeline.min_microbatch_tokens)
         self.last_plan = plan
         self.num_steps += 1
         if plan.degraded:

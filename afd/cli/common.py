@@ -65,6 +65,8 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
                    help="async (default): micro-batches ping-ponged so attention overlaps transfer and FFN work; sync: dispatch, then wait, per layer")
     g.add_argument("--num-microbatches", type=int, default=2, help="micro-batches per step in async mode (1..8, default 2)")
     g.add_argument("--split", choices=["request", "token"], default="token", help="cut micro-batches between requests, or anywhere (default)")
+    g.add_argument("--min-microbatch-tokens", type=int, default=1,
+                   help="a step with fewer than M x N tokens runs fewer micro-batches (e.g. 16 keeps small decode steps whole; default 1)")
     g.add_argument("--cost-model", help="JSON of planner costs fitted by `afd bench costs` (default: built-in coefficients)")
     g.add_argument("--dense-on", choices=["attention", "ffn"], default="attention", help="where dense-layer MLPs run")
     g.add_argument("--shared-experts-on", choices=["attention", "ffn"], default="attention", help="where shared experts run")
@@ -105,7 +107,8 @@ def pipeline_from_args(args: argparse.Namespace):
 
         c = json.loads(open(args.cost_model).read())
         cost = (float(c["attn_token"]), float(c["attn_context"]), float(c["ffn_token"]))
-    return PipelineConfig(mode=args.mode, num_microbatches=args.num_microbatches, split=args.split, cost=cost)
+    return PipelineConfig(mode=args.mode, num_microbatches=args.num_microbatches, split=args.split, cost=cost,
+                          min_microbatch_tokens=args.min_microbatch_tokens)
 
 
 def print_table(rows: list[tuple[str, ...]] | list[list[str]]) -> None:

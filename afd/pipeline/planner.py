@@ -76,8 +76,14 @@ def plan_microbatches(
     num_microbatches: int,
     policy: str = "token",
     cost: CostModel = CostModel(),
+    min_tokens: int = 1,
 ) -> MicrobatchPlan:
-    """chunks: per sequence of the step, (start position, number of new tokens), in batch order."""
+    """chunks: per sequence of the step, (start position, number of new tokens), in batch order.
+
+    ``min_tokens``: fewest tokens worth a micro-batch of their own. A small step (a decode step of a
+    few sequences) is cut into fewer pieces: on a memory-bound FFN side every micro-batch re-reads the
+    expert weights, so splitting 8 decode tokens in two costs more than it overlaps.
+    """
     if policy not in POLICIES:
         raise ValueError(f"split policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if not 1 <= num_microbatches <= MAX_MICROBATCHES:
@@ -85,12 +91,19 @@ def plan_microbatches(
     if not chunks or any(n < 1 for _, n in chunks):
         raise ValueError("a step needs at least one sequence chunk, each with >= 1 token")
     units = _units(chunks, policy)  # indivisible pieces, in order: (seq, start, length)
+    if min_tokens < 1:
+        raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
     m = num_microbatches
     degraded = None
     if m > len(units):
         what = "tokens" if policy == "token" else "requests"
         degraded = f"{m} micro-batches requested, only {len(units)} {what} in the step: running {len(units)}"
         m = len(units)
+    total = sum(n for _, n in chunks)
+    if m > 1 and total < m * min_tokens:
+        fewer = max(1, total // min_tokens)
+        degraded = f"{m} micro-batches requested, {total} tokens < {m} x {min_tokens} (min tokens per micro-batch): running {fewer}"
+        m = fewer
     if policy == "token":
         groups = _split_tokens(chunks, m, cost)
     else:

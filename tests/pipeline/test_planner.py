@@ -92,3 +92,14 @@ def test_cost_model_fit_feeds_the_planner(checkpoints):
     assert plan.num_microbatches == 2
     with pytest.raises(ValueError, match="cost must be three"):
         PipelineConfig("async", 2, "token", cost=(1.0, -1.0, 1.0))
+
+
+def test_small_steps_keep_fewer_microbatches_and_say_why():
+    decode = [(100 + i, 1) for i in range(8)]  # 8 sequences, one new token each
+    plan = plan_microbatches(decode, 2, "token", min_tokens=16)
+    assert plan.num_microbatches == 1 and "8 tokens < 2 x 16" in plan.degraded
+    prefill = [(0, 128)] * 8
+    assert plan_microbatches(prefill, 2, "token", min_tokens=16).num_microbatches == 2
+    assert plan_microbatches(decode, 4, "token", min_tokens=4).num_microbatches == 2
+    with pytest.raises(ValueError, match="min_tokens"):
+        plan_microbatches(decode, 2, "token", min_tokens=0)
