@@ -1,7 +1,7 @@
 """The attention rank's model runner: attention, KV cache and router here; the FFN half over the connector.
 
-Same interface as the monolithic :class:`~afd.engine.runner.ModelRunner`, so
-the engine's step loop does not know whether it runs split or not.
+Same interface as the monolithic ``afd.engine.runner.ModelRunner`` (``execute``),
+so the engine's step loop does not know whether it runs split or not.
 
 One step:
 
@@ -24,8 +24,7 @@ import torch
 from afd.config import CacheConfig, PipelineConfig
 from afd.connectors.endpoints import AttentionEndpoint, DispatchHandle
 from afd.distributed.topology import Topology
-from afd.engine.runner import ModelRunner
-from afd.kvcache import AttentionMetadata, SeqChunk, build_attention_metadata
+from afd.kvcache import AttentionMetadata, PagedKVCache, SeqChunk, build_attention_metadata
 from afd.models.base import MoEModel, Observer
 from afd.pipeline import Action, CostModel, MicrobatchPlan, plan_microbatches, ping_pong
 from afd.types import Routing
@@ -61,7 +60,7 @@ class TraceEvent:
     note: str = ""
 
 
-class DisaggregatedRunner(ModelRunner):
+class DisaggregatedRunner:
     def __init__(
         self,
         model: MoEModel,
@@ -71,7 +70,11 @@ class DisaggregatedRunner(ModelRunner):
         pipeline: PipelineConfig = PipelineConfig(),
         cost: CostModel = CostModel(),
     ) -> None:
-        super().__init__(model, cache, "cpu")
+        self.model = model
+        self.cache_config = cache
+        self.device = torch.device("cpu")
+        dtype = model.model.embed_tokens.weight.dtype
+        self.kv_cache = PagedKVCache(cache, model.config.num_layers, model.kv_layout(), dtype, self.device)
         self.endpoint = endpoint
         self.topology = topology
         self.pipeline = pipeline
