@@ -1,4 +1,4 @@
-"""``afd generate``: offline generation with the monolithic engine."""
+"""``afd generate``: offline generation, monolithic (no topology flags) or disaggregated."""
 
 from __future__ import annotations
 
