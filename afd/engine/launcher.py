@@ -320,9 +320,14 @@ class Cluster:
                         r.conn.send(("shutdown",))
                 except (OSError, BrokenPipeError):
                     pass
+            # read last words while waiting: a rank blocked writing a large "bye" into a full pipe
+            # would otherwise never exit, and its counters would be lost
             deadline = time.monotonic() + timeout
-            for r in self.ranks:
-                r.proc.join(max(0.0, deadline - time.monotonic()))
+            while time.monotonic() < deadline and any(r.proc.is_alive() for r in self.ranks):
+                self._read_last_words()
+                for r in self.ranks:
+                    r.proc.join(0.02)
+        self._read_last_words()
         if self._hub is not None:
             self._hub.close()
         for r in self.ranks:
@@ -336,20 +341,25 @@ class Cluster:
             if proc.is_alive():
                 proc.kill()
                 proc.join(2.0)
+        self._read_last_words()
         for r in self.ranks:
-            try:
-                while r.conn.poll():  # last words: the exit counters of each rank
-                    msg = r.conn.recv()
-                    if msg[0] == "bye":
-                        r.done, r.final_stats = True, msg[1]
-            except (EOFError, OSError):
-                pass
             r.conn.close()
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         self._store = None
         if self._set_run_id:
             os.environ.pop("AFD_RUN_ID", None)
+
+    def _read_last_words(self) -> None:
+        """Collect what ranks said on their way out (the exit counters in "bye")."""
+        for r in self.ranks:
+            try:
+                while not r.conn.closed and r.conn.poll():
+                    msg = r.conn.recv()
+                    if msg[0] == "bye":
+                        r.done, r.final_stats = True, msg[1]
+            except (EOFError, OSError):
+                pass
 
     def __enter__(self) -> "Cluster":
         return self.start()

@@ -132,6 +132,7 @@ def test_idle_links_live_on_heartbeats(reference, transport):
         values, logits = cluster.request(0, ("capture", PROMPTS), "capture")
         assert not support.split_parity_failures(model, ref_values, ref_logits, values, logits)
     ffn = next(r for r in cluster.ranks if r.spec.role.name == "FFN")
+    assert ffn.final_stats is not None, (ffn.done, ffn.proc.exitcode)
     assert ffn.final_stats["heartbeats_received"] >= 5
 
 
