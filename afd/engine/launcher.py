@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Sequence
 
+from afd import env
 from afd.config import PipelineConfig, SamplingParams
 from afd.connectors.factory import LinkSpec
 from afd.connectors.protocol import Role
@@ -120,7 +121,7 @@ class Cluster:
         config = load_model_config(self.model_dir)
         self.placement = validate_topology(topology, config.moe.num_experts)  # before any process starts
         self.model_config = config
-        self.run_id = os.environ.get("AFD_RUN_ID") or uuid.uuid4().hex[:12]  # a supervisor may choose it
+        self.run_id = env.run_id() or uuid.uuid4().hex[:12]  # a supervisor may choose it
         self.run_dir: Path | None = None
         self.ranks: list[_Rank] = []
         self._hub: LoopbackHub | None = None
@@ -136,7 +137,7 @@ class Cluster:
 
     def start(self) -> "Cluster":
         t = self.topology
-        self._set_run_id = "AFD_RUN_ID" not in os.environ
+        self._set_run_id = env.run_id() is None
         os.environ["AFD_RUN_ID"] = self.run_id  # inherited by every rank process
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"afd-{self.run_id}-", dir=base))
