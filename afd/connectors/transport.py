@@ -153,6 +153,10 @@ class Mailbox(ABC):
         self._last_seen[peer] = time.monotonic()
         if header.kind == Kind.HEARTBEAT:
             self.stats.heartbeats_received += 1
+        elif header.kind == Kind.SHUTDOWN:
+            # the last message on its link: stop listening at once, before the caller even looks at it,
+            # so the peer closing right after (EOF on its socket or FIFO) is never read as a death
+            self.forget(peer)
         if self.io_log:
             log.info("%s <- %s: %s", self.name, header.source, _describe(header))
         return message

@@ -90,3 +90,49 @@ def test_loopback_copies_and_reports_closed_links():
     hub.close()
     with pytest.raises(PeerDiedError):
         f.recv(1)
+
+
+def _say_shutdown_and_exit(transport, arg, peer_open):
+    box = _open(transport, Role.ATTENTION, arg)
+    peer_open.wait(30)  # both ends of every link are open before this side goes away
+    box.send(0, make_message(Header(Kind.SHUTDOWN, Role.ATTENTION, 0, 0), {}))
+    box.close()
+
+
+def _open(transport, role, arg):
+    if transport == "shm":
+        return ShmMailbox(arg, role, 0, 1, num_slots=2, slot_bytes=4096)
+    from afd.connectors.torch_dist import TorchMailbox
+
+    return TorchMailbox(role, 0, 1, 1, "127.0.0.1", arg, timeout=30)
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch"])
+def test_shutdown_then_close_is_not_a_death(transport, tmp_path):
+    """A peer that says SHUTDOWN and exits at once: its link's EOF may already be there when the receiver
+    drains for more messages (the two-node CI failure). SHUTDOWN is the last message on a link, so the
+    receiver stops listening to it as it reads it; a peer that closes without SHUTDOWN is still a death."""
+    if transport == "shm":
+        create_links(tmp_path, 1, 1, num_slots=2, slot_bytes=4096)
+        arg, store = tmp_path, None
+    else:
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
+        arg = store.port
+    ctx = mp.get_context("spawn")
+    peer_open = ctx.Event()
+    peer = ctx.Process(target=_say_shutdown_and_exit, args=(transport, arg, peer_open))
+    peer.start()
+    try:
+        box = _open(transport, Role.FFN, arg)
+        peer_open.set()
+        peer.join(30)
+        assert peer.exitcode == 0
+        got = box.recv(10)  # the peer is gone by now, its SHUTDOWN still queued before the EOF
+        assert got.header.kind == Kind.SHUTDOWN
+        assert box.recv(0.2) is None  # a drain after SHUTDOWN: quiet, not PeerDiedError
+        box.close()
+    finally:
+        if peer.is_alive():
+            peer.kill()
