@@ -165,6 +165,9 @@ class CacheConfig:
         _positive("num_blocks", self.num_blocks)
 
 
+MAX_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. ``temperature == 0`` is greedy; ``seed`` fixes the request's own random stream."""
@@ -176,6 +179,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; N: the sampled token's log-probability and the N most likely
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -188,6 +192,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:

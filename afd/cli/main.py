@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from afd import __version__
-from afd.cli import bench, capture, generate, trace
+from afd.cli import bench, capture, generate, serve, trace
 from afd.cli.common import setup_process
 
 
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log the resolved configuration and progress")
     sub = p.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
+    serve.add_parser(sub)
     bench.add_parser(sub)
     trace.add_parser(sub)
     capture.add_parser(sub)

@@ -45,6 +45,7 @@ class DispatchHandle:
     microbatch: int
     num_tokens: int
     rows: dict[int, torch.Tensor]  # FFN rank -> [n_r] row indices of the batch it received
+    sent_at: float = 0.0  # time.perf_counter() of the dispatch
 
 
 class AttentionEndpoint:
@@ -58,6 +59,9 @@ class AttentionEndpoint:
         # several dispatches may be in flight (async micro-batches): results are matched by key
         self._handles: dict[tuple[int, int, int], DispatchHandle] = {}
         self._stash: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
+        self.round_trips = 0  # combines completed
+        self.round_trip_s = 0.0  # their summed dispatch -> combine-complete time
+        self.wait_s = 0.0  # of which this side was blocked in combine
 
     def dispatch(
         self,
@@ -98,7 +102,7 @@ class AttentionEndpoint:
                         TensorName.WEIGHTS: routing.topk_weights[rows].float(),
                     },
                 )
-        handle = DispatchHandle(seq, layer, microbatch, num_tokens, {r: rows for r, (rows, _, _) in plan.items()})
+        handle = DispatchHandle(seq, layer, microbatch, num_tokens, {r: rows for r, (rows, _, _) in plan.items()}, time.perf_counter())
         key = (seq, layer, microbatch)
         if key in self._handles:
             raise ProtocolError(f"{self.mailbox.name}: dispatch of (seq {seq}, layer {layer}, micro-batch {microbatch}) twice")
@@ -125,6 +129,7 @@ class AttentionEndpoint:
         if self._handles.get(key) is not handle:
             raise ProtocolError(f"{self.mailbox.name}: combine of a handle that is not in flight: {key}")
         partial = self._stash[key]
+        waited_from = time.perf_counter()
         deadline = time.monotonic() + self.timeout
         me = self.mailbox.name
         while len(partial) < len(handle.rows):
@@ -142,6 +147,10 @@ class AttentionEndpoint:
                 )
             self._accept(msg, hidden_size)
         del self._handles[key], self._stash[key]
+        done = time.perf_counter()
+        self.round_trips += 1
+        self.round_trip_s += done - handle.sent_at
+        self.wait_s += done - waited_from
         total = torch.zeros(handle.num_tokens, hidden_size, dtype=dtype)
         for r in sorted(partial):  # fixed rank order, never arrival order
             total.index_add_(0, handle.rows[r], partial[r].to(dtype))

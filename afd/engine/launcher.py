@@ -78,6 +78,7 @@ class _Rank:
     done: bool = False  # said bye / exited as asked
     failed: bool = False  # already reported
     final_stats: Any = None  # what the rank said on exit (FFN: items, batches, mean expert GEMM rows)
+    live_stats: Any = None  # the latest counters an FFN rank reported while serving
 
     @property
     def sentinel(self):
@@ -190,13 +191,13 @@ class Cluster:
             raise
 
     # ------------------------------------------------------------------ watching
-    def _poll(self, deadline: float, waiting_for: str) -> list[tuple[_Rank, tuple]]:
+    def _poll(self, deadline: float, waiting_for: str, max_wait: float = 0.5) -> list[tuple[_Rank, tuple]]:
         """Wait for messages from ranks; fail fast on any death or error. Returns (rank, message) pairs."""
         left = deadline - time.monotonic()
         if left <= 0:
             slow = [r.spec.name for r in self.ranks if r.ready is None]
             self._fail(f"timed out after {self.ready_timeout:.0f} s waiting for {waiting_for} ({', '.join(slow) or 'results'})")
-        got, failures = self._sweep(min(left, 0.5))
+        got, failures = self._sweep(min(left, max_wait))
         if failures:
             # one death usually makes its peers fail too ("... is gone"): gather them, report the cause first
             time.sleep(0.3)
@@ -226,6 +227,8 @@ class Cluster:
                 elif msg[0] == "bye":
                     r.done = True
                     r.final_stats = msg[1]
+                elif msg[0] == "ffn_stats":
+                    r.live_stats = msg[1]
                 else:
                     got.append((r, msg))
         for r in self.ranks:
@@ -294,6 +297,13 @@ class Cluster:
                     for i, out in zip(busy.pop(id(r)), msg[1]):
                         results[i] = out
         return [results[i] for i in range(len(prompts))]
+
+    def poll(self, timeout: float) -> list[tuple[int, tuple]]:
+        """Messages from the attention ranks within ``timeout`` s, as (attention rank index, message).
+        Raises :class:`RankFailedError` (after stopping every rank) when any rank fails."""
+        index = {id(r): i for i, r in enumerate(self.attention_ranks())}
+        return [(index[id(r)], msg) for r, msg in self._poll(time.monotonic() + 24 * 3600, "events", max_wait=timeout)
+                if id(r) in index]
 
     def request(self, rank: int, command: tuple, reply: str, timeout: float = 600.0):
         """Send one command to an attention rank and wait for its reply (tests, stats, capture)."""

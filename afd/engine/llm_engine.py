@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -12,9 +13,9 @@ import torch
 from tqdm import tqdm
 
 from afd.config import CacheConfig, EngineConfig, SamplingParams
-from afd.engine.request import Request, RequestOutput
+from afd.engine.request import Request, RequestOutput, Status, TokenDelta
 from afd.engine.runner import ModelRunner
-from afd.engine.sampling import make_generator, sample_one
+from afd.engine.sampling import make_generator, sample_one, token_logprobs
 from afd.engine.scheduler import Scheduler
 from afd.engine.tokenizer import Tokenizer
 from afd.kvcache import BlockManager, PagedKVCache
@@ -53,6 +54,9 @@ class LLMEngine:
         self._seed_source = random.Random()
         self._requests: dict[int, Request] = {}
         self.capture = None  # an afd.obs.capture.CaptureStore to record the safe boundaries of every step
+        self.num_steps = 0
+        self.busy_s = 0.0  # wall time inside steps
+        self.peak_blocks = 0
 
     @classmethod
     def from_pretrained(
@@ -107,12 +111,52 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort(self, request_id: int) -> bool:
+        """Drop a request wherever it is (waiting or running) and free its KV blocks; False if unknown or done."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(req)
+        return True
+
+    def stats(self) -> dict[str, float]:
+        """Counters a server exports: queue, KV blocks (used, total, peak), preemptions, steps, busy time."""
+        return {
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "kv_blocks_used": self.blocks.num_used_blocks,
+            "kv_blocks_total": self.blocks.num_blocks,
+            "kv_blocks_peak": self.peak_blocks,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": self.num_steps,
+            "busy_s": self.busy_s,
+        }
+
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """Run one step; return the requests that finished in it."""
+        return [self._output(req) for req, _, _ in self._step() if req.status is Status.FINISHED]
+
+    def step_deltas(self) -> list[TokenDelta]:
+        """Run one step; return what it produced for every request that sampled a token (streaming)."""
+        deltas = []
+        for req, token, lp in self._step():
+            done = req.status is Status.FINISHED
+            deltas.append(TokenDelta(
+                req.request_id, req.tag, token, self._new_text(req, done),
+                logprob=lp[0] if lp else None, top_logprobs=lp[1] if lp else (),
+                finish_reason=req.finish_reason if done else None, num_prompt_tokens=len(req.prompt_ids),
+            ))
+            if done:
+                self._requests.pop(req.request_id, None)
+        return deltas
+
+    def _step(self) -> list[tuple[Request, int, tuple | None]]:
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             raise RuntimeError("scheduler produced an empty step with unfinished requests (KV cache too small?)")
+        self.peak_blocks = max(self.peak_blocks, self.blocks.num_used_blocks)
         token_ids: list[int] = []
         for item in batch:
             token_ids.extend(item.request.all_ids[item.chunk.start : item.chunk.end])
@@ -124,19 +168,35 @@ class LLMEngine:
         logits = self.runner.execute(token_ids, [item.chunk for item in batch], observer)
         if self.capture is not None:
             self._record(batch, values)
-        finished = []
+        sampled = []
         for item, row in zip(batch, logits):
             req = item.request
             req.num_computed += item.chunk.length
             if req.num_pending:
                 continue  # a chunk of a longer prompt: nothing to sample yet
             token = sample_one(row, req.params, req.generator)
+            lp = token_logprobs(row, token, req.params.logprobs) if req.params.logprobs is not None else None
             req.output_ids.append(token)
             reason = self._check_stop(req, token)
             if reason:
                 self.scheduler.finish(req, reason)
-                finished.append(self._output(req))
-        return finished
+            sampled.append((req, token, lp))
+        self.num_steps += 1
+        self.busy_s += time.perf_counter() - t0
+        return sampled
+
+    def _new_text(self, req: Request, done: bool) -> str:
+        """Output text not yet streamed. Until the end, hold back what may still change: an incomplete
+        UTF-8 character at the tail, and the last len(stop) - 1 characters (a stop string may be forming,
+        and is never sent)."""
+        text = req.output_text
+        if not done:
+            text = text.rstrip("\ufffd")
+            hold = max((len(s) for s in req.params.stop), default=1) - 1
+            text = text[: max(0, len(text) - hold)]
+        piece = text[req.text_sent :]
+        req.text_sent = max(req.text_sent, len(text))
+        return piece
 
     def _record(self, batch, values: dict) -> None:
         from afd.obs.capture import BOUNDARIES

@@ -165,6 +165,11 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
                     engine.capture.save(options["capture"])
                     engine.capture = None
                 conn.send(("outputs", outputs))
+            elif cmd[0] == "serve":  # online serving until ("stop",); see afd.engine.serve_loop
+                from afd.engine.serve_loop import serve_requests
+
+                runner.pipeline = cmd[1] or spec.pipeline
+                serve_requests(engine, conn, lambda: _link_stats(mailbox, endpoint))
             elif cmd[0] == "pipeline":
                 runner.pipeline = cmd[1]
                 conn.send(("pipeline", cmd[1]))
@@ -190,6 +195,13 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
         mailbox.close()
 
 
+def _link_stats(mailbox, endpoint: AttentionEndpoint) -> dict:
+    s = mailbox.stats
+    return {"connector_bytes_sent": s.bytes_sent, "connector_bytes_received": s.bytes_received,
+            "connector_round_trips": endpoint.round_trips, "connector_round_trip_s": endpoint.round_trip_s,
+            "connector_wait_s": endpoint.wait_s}
+
+
 def _capture(engine: LLMEngine, prompts: list[list[int]]) -> tuple[dict, torch.Tensor]:
     """One prefill batch of token-id prompts with every boundary captured (for parity checks)."""
     values: dict = {}
@@ -207,6 +219,9 @@ def _ffn_main(spec: RankSpec, conn, hub) -> None:
     try:
         worker = FFNWorker(model, mailbox, spec.topology.num_attention_ranks)
         worker.delay = env.ffn_delay()
+        # live counters for a server's /metrics: at most once a second, and only when they changed
+        # (an idle run sends nothing, so nothing piles up in a pipe nobody reads)
+        worker.on_tick = lambda: conn.send(("ffn_stats", worker.live_stats(model)))
         mailbox.start_heartbeats(spec.link.heartbeat_interval, spec.link.link_timeout, only_when=lambda: worker.computing)
         worker.serve()
         conn.send(("bye", worker.stats()))

@@ -30,6 +30,7 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     tag: int = -1  # the caller's name for it (captures are keyed by it); defaults to request_id
+    text_sent: int = 0  # characters of output_text already streamed (see LLMEngine.step_deltas)
 
     @property
     def all_ids(self) -> list[int]:
@@ -53,3 +54,18 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finish_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """What one step produced for one request: a token, the text it made visible, and, on the last one,
+    why the request ended. Streaming servers send these; ``text`` pieces concatenate to the final text."""
+
+    request_id: int
+    tag: int
+    token_id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0

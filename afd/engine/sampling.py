@@ -26,3 +26,14 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
         scaled[order[drop]] = float("-inf")
     probs = scaled.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The model's log-probability of ``token`` and its ``n`` most likely tokens, from the raw logits
+    (before temperature, top-k or top-p: what the model thinks, not what the sampler was allowed)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top: tuple[tuple[int, float], ...] = ()
+    if n:
+        values, ids = torch.topk(lp, n)
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return float(lp[token]), top

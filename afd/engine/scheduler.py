@@ -89,6 +89,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def abort(self, req: Request) -> None:
+        """Forget a request at any stage (a client went away), freeing its blocks."""
+        if req.status is Status.RUNNING:
+            self.finish(req, "abort")
+        elif req.status is Status.WAITING:  # waiting requests hold no blocks (preemption freed them)
+            self.waiting.remove(req)
+            req.status, req.finish_reason = Status.FINISHED, "abort"
+
     def finish(self, req: Request, reason: str) -> None:
         self.blocks.free(req.request_id)
         self.running.remove(req)

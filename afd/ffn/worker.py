@@ -45,6 +45,10 @@ class FFNWorker:
         self.computing = False  # heartbeats go out only while computing
         self.spans: deque = deque(maxlen=200_000)  # (start, end, layer, ((attention rank, mb, seq), ...), rows)
         self._last: dict[int, tuple[int, int, int]] = {}  # attention rank -> last (seq, layer, micro-batch)
+        self.on_tick = None  # called with no arguments when counters changed, at most every tick_interval s
+        self.tick_interval = 1.0
+        self._ticked_at = 0.0
+        self._ticked_batches = 0
 
     def compute(self, layer: int, ops: Op, hidden: torch.Tensor, routing) -> torch.Tensor:
         m = self.model
@@ -99,6 +103,7 @@ class FFNWorker:
         """Serve until every attention rank has said SHUTDOWN."""
         open_ranks = set(range(self.num_attention_ranks))
         while open_ranks:
+            self._tick()
             msg = self.mailbox.recv(self.poll_interval)
             if msg is None:
                 self.mailbox.check_silence()  # idle is not failure; a silent attention rank is
@@ -129,6 +134,20 @@ class FFNWorker:
                         self._report(h.src_index, str(e))
                         raise
             self._serve_batch(work)
+
+    def _tick(self) -> None:
+        """Call ``on_tick`` (live counters) at most every ``tick_interval`` s, and only after new work."""
+        if self.on_tick is None or self.batches == self._ticked_batches:
+            return
+        now = time.monotonic()
+        if now - self._ticked_at >= self.tick_interval:
+            self._ticked_at, self._ticked_batches = now, self.batches
+            self.on_tick()
+
+    def live_stats(self, model) -> dict:
+        """The counters a server exports (no spans): work served, busy time, per-expert tokens."""
+        return {"items": self.items_served, "tokens": self.tokens_served, "batches": self.batches,
+                "mean_gemm_rows": self.mean_gemm_rows, "busy_s": self.busy_s, "expert_tokens": model.expert_token_counts()}
 
     def _serve_batch(self, work: list) -> None:
         groups: dict[tuple[int, int], list] = {}

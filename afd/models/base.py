@@ -134,6 +134,15 @@ class MoEModel(nn.Module):
                 return layer.mlp.experts.expert_ids
         return ()
 
+    def expert_token_counts(self) -> dict[tuple[int, int], int]:
+        """Tokens each held routed expert has computed so far, keyed by (layer, logical expert id)."""
+        counts = {}
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, MoEBlock):
+                experts = layer.mlp.experts
+                counts.update({(i, e): n for e, n in zip(experts.expert_ids, experts.tokens_routed)})
+        return counts
+
     def _check_loaded(self, tensor: torch.Tensor, what: str) -> None:
         if tensor.is_meta:
             raise MissingWeightsError(

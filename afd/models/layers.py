@@ -122,6 +122,7 @@ class GroupedExperts(nn.Module):
         lookup = torch.full((num_experts,), -1, dtype=torch.long, device="cpu")
         lookup[list(ids)] = torch.arange(len(ids), device="cpu")
         self._global_to_local = lookup  # constant [E] -> local index or -1
+        self.tokens_routed = [0] * len(ids)  # (token, slot) rows each held expert has computed (a metric)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Partial MoE output over the experts held here.
@@ -139,6 +140,7 @@ class GroupedExperts(nn.Module):
             order = torch.argsort(local.masked_fill(~held, len(self.expert_ids)), stable=True)
             order = order[: int(held.sum())]  # (token, slot) rows sorted by local expert
             counts = torch.bincount(local[order], minlength=len(self.expert_ids)).tolist()
+            self.tokens_routed = [a + b for a, b in zip(self.tokens_routed, counts)]
             weights = topk_weights.flatten()
             start = 0
             for e, n in enumerate(counts):

@@ -1,0 +1,76 @@
+"""One replica's serving loop: requests come in over a pipe, token deltas go out.
+
+The same loop runs in an attention rank (its pipe to the launcher) and, for a
+monolithic server, in a thread of the server process (one end of an in-process
+pipe), so the front end talks to every replica the same way.
+
+Commands (front end -> replica):
+    ("add", rid, prompt_ids, SamplingParams)   rid: the front end's request id
+    ("abort", rid)                             the client went away: free its blocks
+    ("stop",)                                  abort everything, reply ("stopped", stats), return
+Events (replica -> front end):
+    ("deltas", [TokenDelta], stats)            after every step; delta.tag is the rid
+    ("rejected", rid, message)                 the request could not be admitted
+    ("stats", stats)                           counters, when they changed while idle
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from afd.engine.llm_engine import LLMEngine
+
+#: how often the (larger) per-expert counters ride along with the step events
+EXPERT_COUNTS_INTERVAL_S = 1.0
+
+
+def serve_requests(engine: LLMEngine, conn, extra_stats: Callable[[], dict] | None = None, idle_poll: float = 0.5) -> None:
+    """Serve until ("stop",). Exceptions propagate: the caller reports them (the replica has failed)."""
+    rids: dict[int, int] = {}  # front-end id -> engine request id
+    counts_sent = 0.0
+
+    def stats(with_counts: bool = False) -> dict:
+        nonlocal counts_sent
+        out = engine.stats()
+        if extra_stats is not None:
+            out.update(extra_stats())
+        if with_counts or time.monotonic() - counts_sent > EXPERT_COUNTS_INTERVAL_S:
+            out["expert_tokens"] = engine.model.expert_token_counts()
+            counts_sent = time.monotonic()
+        return out
+
+    changed = True
+    while True:
+        timeout = 0.0 if engine.has_unfinished() else idle_poll
+        while conn.poll(timeout):
+            timeout = 0.0
+            cmd = conn.recv()
+            changed = True
+            if cmd[0] == "add":
+                _, rid, prompt_ids, params = cmd
+                try:
+                    rids[rid] = engine.add_request(prompt_ids, params, tag=rid)
+                except ValueError as e:
+                    conn.send(("rejected", rid, str(e)))
+            elif cmd[0] == "abort":
+                eid = rids.pop(cmd[1], None)
+                if eid is not None:
+                    engine.abort(eid)
+            elif cmd[0] == "stop":
+                for eid in rids.values():
+                    engine.abort(eid)
+                conn.send(("stopped", stats(with_counts=True)))
+                return
+            else:
+                raise ValueError(f"serving loop: unknown command {cmd[0]!r}")
+        if engine.has_unfinished():
+            deltas = engine.step_deltas()
+            for d in deltas:
+                if d.finish_reason is not None:
+                    rids.pop(d.tag, None)
+            conn.send(("deltas", deltas, stats()))
+            changed = True  # the idle report after the last step carries the final counters
+        elif changed:
+            conn.send(("stats", stats(with_counts=True)))
+            changed = False

@@ -1,0 +1,286 @@
+"""The serving front end: requests in, balanced over replicas by load, token deltas streamed back.
+
+A *replica* is one engine (one attention rank of a disaggregated run, or the
+monolithic engine in a thread of this process) behind the message protocol of
+:mod:`afd.engine.serve_loop`. A pump thread reads every replica's events and
+hands each delta to the asyncio stream of its request; the first replica
+failure fails every in-flight request at once and marks the front end dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from afd.config import PipelineConfig, SamplingParams
+from afd.engine.request import TokenDelta
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaFailed(RuntimeError):
+    """A replica (or a rank behind it) died or reported an error."""
+
+
+class RequestRejected(ValueError):
+    """The engine refused the request (e.g. it can never fit the KV cache)."""
+
+
+class ServiceUnavailable(RuntimeError):
+    """The front end is stopping (SIGTERM) or has failed; no new requests."""
+
+
+# ----------------------------------------------------------------------------- replicas
+
+
+class LocalReplicas:
+    """A monolithic engine on a thread of this process, spoken to over an in-process pipe."""
+
+    def __init__(self, engine) -> None:
+        from afd.engine.serve_loop import serve_requests
+
+        self.engine = engine
+        self.num = 1
+        self._conn, back = mp.Pipe()
+        self._lock = threading.Lock()
+        self._stopped = False
+
+        def run() -> None:
+            try:
+                serve_requests(engine, back)
+            except BaseException as e:  # noqa: BLE001 - reported to the front end, which fails the server
+                back.send(("error", f"engine thread failed: {type(e).__name__}: {e}", traceback.format_exc()))
+
+        self._thread = threading.Thread(target=run, name="afd-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, replica: int, cmd: tuple) -> None:
+        with self._lock:
+            self._conn.send(cmd)
+
+    def poll(self, timeout: float) -> list[tuple[int, tuple]]:
+        out = []
+        if self._conn.poll(timeout):
+            while self._conn.poll():
+                msg = self._conn.recv()
+                if msg[0] == "error":
+                    log.error("%s\n%s", msg[1], msg[2])
+                    raise ReplicaFailed(msg[1])
+                out.append((0, msg))
+        if not self._thread.is_alive() and not self._stopped:
+            raise ReplicaFailed("the engine thread ended unexpectedly")
+        return out
+
+    def rank_info(self) -> list[dict]:
+        return [{"name": "monolithic", "pid": os.getpid()}]
+
+    def ffn_stats(self) -> dict[str, dict]:
+        return {}
+
+    def close(self, timeout: float) -> None:
+        self._stopped = True
+        if self._thread.is_alive():
+            try:
+                self.send(0, ("stop",))
+            except OSError:
+                pass
+            self._thread.join(timeout)
+
+
+class ClusterReplicas:
+    """The attention ranks of a disaggregated run (each its own engine and KV cache)."""
+
+    def __init__(self, cluster, pipeline: PipelineConfig | None = None) -> None:
+        self.cluster = cluster
+        self.pipeline = pipeline
+        self.num = len(cluster.attention_ranks())
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        for i in range(self.num):
+            self.send(i, ("serve", self.pipeline))
+
+    def send(self, replica: int, cmd: tuple) -> None:
+        with self._lock:
+            self.cluster.attention_ranks()[replica].conn.send(cmd)
+
+    def poll(self, timeout: float) -> list[tuple[int, tuple]]:
+        from afd.engine.launcher import RankFailedError
+
+        try:
+            return self.cluster.poll(timeout)
+        except RankFailedError as e:
+            raise ReplicaFailed(str(e)) from None
+
+    def rank_info(self) -> list[dict]:
+        return [{"name": r.spec.name, "pid": r.ready.pid if r.ready else None} for r in self.cluster.ranks]
+
+    def ffn_stats(self) -> dict[str, dict]:
+        return {r.spec.name: r.live_stats for r in self.cluster.ranks if r.live_stats is not None}
+
+    def close(self, timeout: float) -> None:
+        """Stop serving on every attention rank, then stop every rank (idempotent after a failure)."""
+        if not self.cluster._closed:
+            try:
+                for i in range(self.num):
+                    self.send(i, ("stop",))
+                deadline = time.monotonic() + timeout
+                stopped: set[int] = set()
+                while len(stopped) < self.num and time.monotonic() < deadline:
+                    stopped |= {i for i, msg in self.cluster.poll(0.2) if msg[0] == "stopped"}
+            except Exception as e:  # noqa: BLE001 - a rank failing while stopping: shutdown still runs
+                log.warning("while stopping: %s", e)
+        self.cluster.shutdown()
+
+
+# ----------------------------------------------------------------------------- front end
+
+
+@dataclass
+class _Stream:
+    rid: int
+    replica: int
+    load: int
+    queue: asyncio.Queue
+    num_prompt_tokens: int
+    created: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None
+    finished: bool = False
+
+
+class Frontend:
+    """Balances requests over replicas by outstanding tokens and streams their deltas to asyncio tasks."""
+
+    def __init__(self, replicas, metrics=None, on_failure: Callable[[str], None] | None = None) -> None:
+        self.replicas = replicas
+        self.metrics = metrics
+        self.on_failure = on_failure
+        self.failure: str | None = None
+        self.draining = False
+        self.replica_stats: list[dict] = [{} for _ in range(replicas.num)]
+        self._load = [0] * replicas.num
+        self._streams: dict[int, _Stream] = {}
+        self._ids = itertools.count()
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop (streams live there)
+        self._pump: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.replicas.start()
+        self._pump = threading.Thread(target=self._pump_events, name="afd-frontend-pump", daemon=True)
+        self._pump.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Abort what is left, stop the pump, stop every replica and rank."""
+        self._stop.set()
+        if self._pump is not None:
+            self._pump.join(timeout)
+        self.replicas.close(timeout)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        """Token deltas of one request, the last with ``finish_reason`` set. Leaving early (client gone,
+        task cancelled) aborts the request on its replica, which frees its KV blocks."""
+        if self.failure is not None:
+            raise ServiceUnavailable(f"the engine has failed: {self.failure}")
+        if self.draining:
+            raise ServiceUnavailable("the server is shutting down")
+        rid = next(self._ids)
+        replica = min(range(self.replicas.num), key=lambda i: self._load[i])
+        stream = _Stream(rid, replica, len(prompt_ids) + params.max_tokens, asyncio.Queue(), len(prompt_ids))
+        self._streams[rid] = stream
+        self._load[replica] += stream.load
+        if self.metrics is not None:
+            self.metrics.request_started(len(prompt_ids))
+        try:
+            self.replicas.send(replica, ("add", rid, list(prompt_ids), params))
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    stream.finished = True
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            self._load[replica] -= stream.load
+            if not stream.finished:
+                if self.failure is None:
+                    try:
+                        self.replicas.send(replica, ("abort", rid))
+                    except OSError:
+                        pass
+                if self.metrics is not None:
+                    self.metrics.request_finished("abort" if self.failure is None else "error", stream)
+
+    # ------------------------------------------------------------------ events
+    def _pump_events(self) -> None:
+        while not self._stop.is_set():
+            try:
+                events = self.replicas.poll(0.2)
+            except ReplicaFailed as e:
+                self._fail(str(e))
+                return
+            except Exception as e:  # noqa: BLE001 - anything else here is a front-end bug: fail loudly
+                log.exception("front end pump failed")
+                self._fail(f"front end failed: {e}")
+                return
+            for replica, msg in events:
+                kind = msg[0]
+                if kind == "deltas":
+                    self._update_stats(replica, msg[2])
+                    for d in msg[1]:
+                        self._deliver(d.tag, d)
+                elif kind == "rejected":
+                    self._deliver(msg[1], RequestRejected(msg[2]))
+                elif kind in ("stats", "stopped"):
+                    self._update_stats(replica, msg[1])
+
+    def _update_stats(self, replica: int, stats: dict) -> None:
+        if "expert_tokens" not in stats:  # the per-expert counters ride along only now and then
+            stats["expert_tokens"] = self.replica_stats[replica].get("expert_tokens")
+        self.replica_stats[replica] = stats
+
+    def _deliver(self, rid: int, item) -> None:
+        self.loop.call_soon_threadsafe(self._put, rid, item)
+
+    def _put(self, rid: int, item) -> None:
+        stream = self._streams.get(rid)
+        if stream is None:
+            return  # the request was aborted meanwhile
+        if self.metrics is not None and isinstance(item, TokenDelta):
+            now = time.perf_counter()
+            self.metrics.token(stream, now)
+            stream.last_token_at = now
+            if item.finish_reason is not None:
+                self.metrics.request_finished(item.finish_reason, stream)
+        stream.queue.put_nowait(item)
+
+    def _fail(self, reason: str) -> None:
+        log.error("serving failed: %s", reason)
+        self.failure = reason
+
+        def fail_all() -> None:
+            for stream in list(self._streams.values()):
+                stream.queue.put_nowait(ReplicaFailed(reason))
+
+        self.loop.call_soon_threadsafe(fail_all)
+        if self.on_failure is not None:
+            self.on_failure(reason)

@@ -1,0 +1,119 @@
+"""Prometheus metrics of a server: request-level ones observed by the front end, engine and rank
+counters read from the replicas' latest reports at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+disable_created_metrics()  # no *_created series: scrapes stay small and readable
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("afd_requests", "Requests ended, by finish reason (stop, length, abort, error)", ["finish_reason"], registry=r)
+        self.http_errors = Counter("afd_http_errors", "Requests answered with an error status", ["status"], registry=r)
+        self.prompt_tokens = Counter("afd_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("afd_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("afd_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("afd_inter_token_latency_seconds", "Time between a request's tokens", buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("afd_request_latency_seconds", "Request latency, end to end", buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("afd_requests_in_flight", "Requests the front end is serving", registry=r)
+        self._frontend = None
+
+    def bind(self, frontend) -> None:
+        """Export the replicas' and ranks' counters, read from ``frontend`` at each scrape."""
+        self._frontend = frontend
+        self.registry.register(_EngineCollector(frontend))
+
+    # called by the front end (asyncio thread)
+    def request_started(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.in_flight.inc()
+
+    def token(self, stream, now: float) -> None:
+        self.generation_tokens.inc()
+        if stream.last_token_at is None:
+            self.ttft.observe(now - stream.created)
+        else:
+            self.itl.observe(now - stream.last_token_at)
+
+    def request_finished(self, reason: str, stream) -> None:
+        import time
+
+        self.requests.labels(reason).inc()
+        self.latency.observe(time.perf_counter() - stream.created)
+        self.in_flight.dec()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Queue depth, KV blocks, preemptions, busy time, connector traffic, per-expert tokens."""
+
+    def __init__(self, frontend) -> None:
+        self.frontend = frontend
+
+    def collect(self):
+        stats = list(enumerate(self.frontend.replica_stats))
+        ffn = self.frontend.replicas.ffn_stats()
+
+        def gauge(name, doc, key, labels=("replica",)):
+            g = GaugeMetricFamily(name, doc, labels=list(labels))
+            for i, s in stats:
+                if key in s:
+                    g.add_metric([str(i)], s[key])
+            return g
+
+        yield gauge("afd_queue_depth", "Requests waiting for admission", "waiting")
+        yield gauge("afd_running_seqs", "Sequences being generated", "running")
+        yield gauge("afd_kv_blocks_used", "KV cache blocks in use", "kv_blocks_used")
+        yield gauge("afd_kv_blocks_total", "KV cache blocks in the pool", "kv_blocks_total")
+        yield gauge("afd_kv_blocks_peak", "Most KV cache blocks in use at once", "kv_blocks_peak")
+        pre = CounterMetricFamily("afd_preemptions", "Requests preempted (KV blocks ran out; recomputed later)", labels=["replica"])
+        steps = CounterMetricFamily("afd_engine_steps", "Engine steps run", labels=["replica"])
+        for i, s in stats:
+            if "preemptions" in s:
+                pre.add_metric([str(i)], s["preemptions"])
+                steps.add_metric([str(i)], s["steps"])
+        yield pre
+        yield steps
+        busy = CounterMetricFamily("afd_busy_seconds", "Time each role spent computing", labels=["role", "rank"])
+        for i, s in stats:
+            if "busy_s" in s:
+                busy.add_metric(["attention" if ffn or "connector_round_trips" in s else "monolithic", str(i)], s["busy_s"])
+        for name, s in ffn.items():
+            busy.add_metric(["ffn", name.rsplit(" ", 1)[-1]], s["busy_s"])
+        yield busy
+        nbytes = CounterMetricFamily("afd_connector_bytes", "Bytes over the attention-FFN links", labels=["rank", "direction"])
+        rtt = CounterMetricFamily("afd_connector_round_trip_seconds", "Dispatch to combine, summed (divide by _round_trips)", labels=["rank"])
+        trips = CounterMetricFamily("afd_connector_round_trips", "Dispatch-combine round trips completed", labels=["rank"])
+        wait = CounterMetricFamily("afd_connector_wait_seconds", "Time attention ranks were blocked on combine", labels=["rank"])
+        for i, s in stats:
+            if "connector_round_trips" in s:
+                nbytes.add_metric([str(i), "sent"], s["connector_bytes_sent"])
+                nbytes.add_metric([str(i), "received"], s["connector_bytes_received"])
+                rtt.add_metric([str(i)], s["connector_round_trip_s"])
+                trips.add_metric([str(i)], s["connector_round_trips"])
+                wait.add_metric([str(i)], s["connector_wait_s"])
+        yield nbytes
+        yield rtt
+        yield trips
+        yield wait
+        rows = GaugeMetricFamily("afd_ffn_mean_gemm_rows", "Mean rows per expert GEMM on each FFN rank", labels=["rank"])
+        for name, s in ffn.items():
+            rows.add_metric([name.rsplit(" ", 1)[-1]], s["mean_gemm_rows"])
+        yield rows
+        experts = CounterMetricFamily("afd_expert_tokens", "Tokens computed by each routed expert", labels=["layer", "expert"])
+        totals: dict[tuple[int, int], int] = {}
+        for source in [s for _, s in stats] + list(ffn.values()):
+            for key, n in (source.get("expert_tokens") or {}).items():
+                totals[key] = totals.get(key, 0) + n
+        for (layer, expert), n in sorted(totals.items()):
+            experts.add_metric([str(layer), str(expert)], n)
+        yield experts
