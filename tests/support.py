@@ -8,6 +8,7 @@ outputs well past the parity tolerance (see shared/research/parity.md).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -261,3 +262,19 @@ def greedy_with_gaps(model, prompt: list[int], steps: int) -> tuple[list[int], l
         seq.append(tokens[-1])
         logits = runner.execute([seq[-1]], [SeqChunk(blocks.ensure(0, len(seq)), len(seq) - 1, 1)])[0]
     return tokens, gaps
+
+
+def run_processes(run_id: str) -> dict[int, str]:
+    """pid -> AFD_RANK (or '') of every live process whose environment carries this run id."""
+    found = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if f"AFD_RUN_ID={run_id}".encode() in env:
+            rank = [e[len(b"AFD_RANK="):].decode() for e in env if e.startswith(b"AFD_RANK=")]
+            found[int(pid)] = rank[0] if rank else ""
+    return found

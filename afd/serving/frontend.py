@@ -273,6 +273,11 @@ class Frontend:
                 self.metrics.request_finished(item.finish_reason, stream)
         stream.queue.put_nowait(item)
 
+    def abort_all(self, reason: str) -> None:
+        """End every in-flight request with a 503 error (shutdown deadline reached). Event-loop thread."""
+        for stream in list(self._streams.values()):
+            stream.queue.put_nowait(ServiceUnavailable(reason))
+
     def _fail(self, reason: str) -> None:
         log.error("serving failed: %s", reason)
         self.failure = reason

@@ -401,12 +401,24 @@ def run_server(state: ServerState, host: str, port: int, shutdown_timeout: float
     """Serve until SIGTERM/SIGINT (exit 0) or a replica failure (exit 1). Prints the bound address."""
     import uvicorn
 
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            """SIGTERM/SIGINT: uvicorn stops accepting and waits for in-flight requests; just before its
+            deadline, whatever still runs is ended with a clear 503 error (not a cut connection)."""
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            fe = state.frontend
+            if first and fe.loop is not None:
+                fe.draining = True
+                fe.loop.call_soon_threadsafe(fe.loop.call_later, max(0.0, shutdown_timeout - 0.5), fe.abort_all,
+                                             f"the server is shutting down (in-flight requests get {shutdown_timeout:g} s)")
+
     app = create_app(state)
     sock = socket.create_server((host, port))
     bound = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=max(1, int(shutdown_timeout)),
                             timeout_keep_alive=5, lifespan="off")
-    server = uvicorn.Server(config)
+    server = _Server(config)
     stopping = {"signal": None}
 
     def on_signal(signum, _frame) -> None:  # uvicorn re-raises the signal it caught to this handler

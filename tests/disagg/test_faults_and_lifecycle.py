@@ -15,22 +15,7 @@ import pytest
 from afd.cli.common import BUILTIN_MODEL
 from afd.distributed.topology import Topology, TopologyError, parse_devices
 from afd.engine.launcher import Cluster
-
-
-def run_processes(run_id: str) -> dict[int, str]:
-    """pid -> AFD_RANK (or '') of every live process whose environment carries this run id."""
-    found = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if f"AFD_RUN_ID={run_id}".encode() in env:
-            rank = [e[len(b"AFD_RANK="):].decode() for e in env if e.startswith(b"AFD_RANK=")]
-            found[int(pid)] = rank[0] if rank else ""
-    return found
+from tests.support import run_processes
 
 
 def afd_cmd(*args: str) -> list[str]:

@@ -1,0 +1,164 @@
+"""Bad input gets a clear OpenAI-style error and nothing else breaks; a client that disconnects frees its
+blocks; a dead FFN rank fails in-flight requests promptly and the server exits non-zero; SIGTERM drains."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.serving.server_proc import MODEL_NAME, Server
+
+ONE_A_ONE_F = ["--attention-ranks", "1", "--ffn-ranks", "1", "--transport", "shm", "--mode", "async", "--num-microbatches", "2", "--split", "token"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Server() as s:
+        yield s
+
+
+def body(**kw):
+    return {"model": MODEL_NAME, "prompt": "ROMEO:", "max_tokens": 4, **kw}
+
+
+BAD = [
+    # (what, path, request kwargs, status, words in the message)
+    ("malformed JSON", "/v1/completions", {"content": b'{"model": "x", ', "headers": {"content-type": "application/json"}}, 400, "malformed JSON"),
+    ("not an object", "/v1/completions", {"json": [1, 2]}, 400, "JSON object"),
+    ("unknown field", "/v1/completions", {"json": body(frobnicate=1)}, 400, "unknown field 'frobnicate'"),
+    ("negative max_tokens", "/v1/completions", {"json": body(max_tokens=-5)}, 400, "max_tokens"),
+    ("huge max_tokens", "/v1/completions", {"json": body(max_tokens=10**9)}, 400, "maximum context length is 1024"),
+    ("prompt beyond the context", "/v1/completions", {"json": body(prompt="To be or not " * 400)}, 400, "maximum context length"),
+    ("unknown model", "/v1/completions", {"json": body(model="gpt-7")}, 404, "The model 'gpt-7' does not exist"),
+    ("missing prompt", "/v1/completions", {"json": {"model": MODEL_NAME}}, 400, "prompt"),
+    ("wrong type", "/v1/completions", {"json": body(temperature="hot")}, 400, "temperature"),
+    ("too many choices", "/v1/completions", {"json": body(n=1000)}, 400, "n:"),
+    ("too many logprobs", "/v1/completions", {"json": body(logprobs=99)}, 400, "logprobs"),
+    ("token id outside the vocabulary", "/v1/completions", {"json": body(prompt=[1, 2, 10**7])}, 400, "outside the vocabulary"),
+    ("empty stop string", "/v1/completions", {"json": body(stop=[""])}, 400, "stop"),
+    ("penalties", "/v1/completions", {"json": body(presence_penalty=0.5)}, 400, "not supported"),
+    ("empty messages", "/v1/chat/completions", {"json": {"model": MODEL_NAME, "messages": []}}, 400, "messages"),
+    ("bad role", "/v1/chat/completions", {"json": {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "hi"}]}}, 400, "role"),
+    ("chat unknown model", "/v1/chat/completions", {"json": {"model": "x", "messages": [{"role": "user", "content": "hi"}]}}, 404, "does not exist"),
+    ("wrong method", "/v1/completions", {"method": "GET"}, 405, "Method Not Allowed"),
+]
+
+
+@pytest.mark.parametrize("what, path, kwargs, status, words", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_a_clear_error(server, what, path, kwargs, status, words):
+    kwargs = dict(kwargs)
+    method = kwargs.pop("method", "POST")
+    r = httpx.request(method, server.url + path, timeout=30, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"}
+    # and everyone else keeps being served
+    ok = server.post("/v1/completions", json=body())
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_client_disconnect_mid_stream_frees_its_blocks(server):
+    aborted_before = server.metric("afd_requests_total", wait=0) if "afd_requests_total" in server.get("/metrics").text else 0
+    with httpx.stream("POST", server.url + "/v1/completions", json=body(max_tokens=900, stream=True), timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [line for line, _ in zip((x for x in lines if x.startswith("data:")), range(3))]
+        assert len(got) == 3
+    # closed after 3 tokens of 900: the request is aborted and its KV blocks return to the pool
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (server.metric("afd_kv_blocks_used") or server.metric("afd_requests_in_flight")):
+        time.sleep(0.1)
+    assert server.metric("afd_kv_blocks_used") == 0 and server.metric("afd_requests_in_flight") == 0
+    text = server.get("/metrics").text
+    assert 'afd_requests_total{finish_reason="abort"}' in text
+    assert server.metric("afd_requests_total", wait=0) > aborted_before
+    assert server.post("/v1/completions", json=body()).status_code == 200
+
+
+def _stream_until_done(url: str, payload: dict, out: list, t_kill: list) -> None:
+    """Read one stream; record (outcome, seconds after the kill) where outcome is done/error/cut."""
+    outcome = "cut"
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=payload, timeout=60) as r:
+            if r.status_code != 200:
+                outcome = f"status {r.status_code}"
+            else:
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        outcome = "done"
+                    elif line.startswith("data:") and "error" in json.loads(line[5:]):
+                        outcome = "error: " + json.loads(line[5:])["error"]["message"]
+    except httpx.HTTPError as e:
+        outcome = f"cut: {type(e).__name__}"
+    out.append((outcome, time.monotonic() - t_kill[0] if t_kill else None))
+
+
+def test_killing_an_ffn_rank_fails_in_flight_requests_and_exits_nonzero():
+    s = Server(*ONE_A_ONE_F)
+    try:
+        ffn = s.rank_pids("ffn")
+        assert len(ffn) == 1
+        results: list = []
+        t_kill: list = []
+        threads = [threading.Thread(target=_stream_until_done, args=(s.url, body(prompt=f"KING {i}:", max_tokens=1000, stream=True), results, t_kill))
+                   for i in range(6)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while s.metric("afd_generation_tokens_total", wait=0) < 30 and time.monotonic() < deadline:
+            time.sleep(0.1)  # under load: every stream has produced tokens
+        t_kill.append(time.monotonic())
+        os.kill(ffn[0], signal.SIGKILL)
+        for t in threads:
+            t.join(30)
+        assert len(results) == 6
+        for outcome, after in results:
+            assert outcome.startswith("error") and "ffn rank 0" in outcome and "SIGKILL" in outcome, outcome
+            assert after < 10, f"error came {after:.1f} s after the kill"
+        s.proc.wait(30)
+        assert s.proc.returncode not in (0, None), s.proc.returncode
+        assert "exiting after a failure" in "".join(s.stdout)
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+        s.assert_nothing_left()
+
+
+def test_sigterm_finishes_short_requests_aborts_long_ones_and_leaves_nothing():
+    s = Server(*ONE_A_ONE_F, "--shutdown-timeout", "3")
+    try:
+        results: list = []
+        t_term: list = []
+        payloads = [body(prompt="ROMEO:", max_tokens=8, stream=True)] * 2 + [body(prompt="KING:", max_tokens=1000, ignore_eos=True, stream=True)] * 2
+        threads = [threading.Thread(target=_stream_until_done, args=(s.url, p, results, t_term)) for p in payloads]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while s.metric("afd_requests_in_flight", wait=0) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        t_term.append(time.monotonic())
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.ConnectError):  # no longer accepting
+            httpx.post(s.url + "/v1/completions", json=body(), timeout=5)
+        for t in threads:
+            t.join(30)
+        s.proc.wait(30)
+        stopped_after = time.monotonic() - t_term[0]
+        assert s.proc.returncode == 0, "".join(s.stderr)
+        outcomes = sorted(o for o, _ in results)
+        assert outcomes[:2] == ["done", "done"], outcomes  # short: finished within the deadline
+        for o in outcomes[2:]:  # long: ended by the deadline with a clear error, not a cut connection
+            assert o.startswith("error: the server is shutting down"), outcomes
+        assert stopped_after < 3 + 15, stopped_after
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+        s.assert_nothing_left()
