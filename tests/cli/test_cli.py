@@ -89,3 +89,17 @@ def test_capture_diff_finds_no_divergence_across_modes_and_names_an_injected_one
     res = afd("capture", "diff", str(tmp_path / "mono"), str(tmp_path / "bad"), check=False)
     assert res.returncode == 1
     assert "layer 2, boundary attn_output, request 1, position 3" in res.stdout, res.stdout
+
+
+def test_bench_serve_measures_every_config_and_leaves_nothing(tmp_path):
+    out_json = tmp_path / "serve.json"
+    res = afd("bench", "serve", "--num-requests", "4", "--runs", "1", "--concurrency", "2", "--prompt-len", "8:16",
+              "--output-len", "4:6", "--json", str(out_json))
+    assert "TTFT p50" in res.stdout and "1A1F-async" in res.stdout
+    data = json.loads(out_json.read_text())
+    assert list(data["results"]) == ["monolithic", "1A1F-async"]
+    for r in data["results"].values():  # every request streamed exactly its tokens (the bench checks), timings ordered
+        m = r["median"]
+        assert m["output_tokens_per_s"] > 0 and 0 < m["ttft_ms_p50"] <= m["ttft_ms_p99"] and 0 < m["itl_ms_p50"] <= m["itl_ms_p99"]
+    bad = afd("bench", "serve", "--config", "nameonly", check=False)
+    assert bad.returncode == 2 and "NAME=FLAGS" in bad.stderr

@@ -1,0 +1,218 @@
+"""``afd bench serve``: a bounded load generator against ``afd serve`` on 127.0.0.1.
+
+For each configuration (default: monolithic, then 1 attention + 1 FFN rank in
+async mode over shm) it starts ``afd serve`` on a free port, sends the same
+seeded workload -- a closed loop at ``--concurrency``, or Poisson arrivals at
+``--request-rate`` -- of token-id prompts with lengths drawn from
+``--prompt-len`` and outputs of exactly ``--output-len`` tokens (EOS ignored),
+streams every response, and reports throughput with TTFT and inter-token
+latency percentiles. Ratios are against the first configuration, in one run.
+``--url`` measures a server that is already running instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from afd.cli.common import print_table, resolve_model
+
+DEFAULT_CONFIGS = ["monolithic=", "1A1F-async=--attention-ranks 1 --ffn-ranks 1 --transport shm --mode async --num-microbatches 2 --split token"]
+
+
+def add_parser(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("serve", help="load-test afd serve over HTTP: throughput, TTFT, inter-token latency")
+    p.add_argument("model", nargs="?", help="model directory (default: $AFD_MODEL or the built-in model)")
+    p.add_argument("--synthetic-layers", type=int,
+                   help="serve a random DeepSeek-V2-Lite-shaped checkpoint of this many layers (written to a temp dir, with the "
+                        "built-in tokenizer) instead of MODEL")
+    p.add_argument("--config", action="append", metavar="NAME=ARGS",
+                   help="a server configuration: a name and `afd serve` flags, e.g. '1A2F=--attention-ranks 1 --ffn-ranks 2'; "
+                        "repeatable (default: monolithic and 1A1F async over shm)")
+    p.add_argument("--url", help="measure this running server (e.g. http://127.0.0.1:8000) instead of starting one")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (closed loop; default 8)")
+    p.add_argument("--request-rate", type=float, help="open loop: Poisson arrivals per second (still capped by --concurrency)")
+    p.add_argument("--prompt-len", default="32:128", help="prompt tokens, uniform in MIN:MAX (default 32:128)")
+    p.add_argument("--output-len", default="16:64", help="output tokens, uniform in MIN:MAX (default 16:64)")
+    p.add_argument("--runs", type=int, default=3, help="measured runs per configuration; the table shows medians")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
+    p.set_defaults(func=run)
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    lo, hi = int(lo), int(hi or lo)
+    if not 1 <= lo <= hi:
+        raise ValueError(f"bad length range {text!r}: use MIN:MAX with 1 <= MIN <= MAX")
+    return lo, hi
+
+
+def workload(args, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    (plo, phi), (olo, ohi) = _range(args.prompt_len), _range(args.output_len)
+    return [([rng.randrange(3, vocab) for _ in range(rng.randint(plo, phi))], rng.randint(olo, ohi)) for _ in range(args.num_requests)]
+
+
+# ----------------------------------------------------------------------------- load
+
+
+async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    t0 = time.perf_counter()
+    stamps = []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                if chunk.get("choices"):
+                    stamps.append(time.perf_counter())  # one chunk per generated token
+    if len(stamps) != max_tokens:
+        raise RuntimeError(f"asked for {max_tokens} tokens, got {len(stamps)}")
+    return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "e2e": stamps[-1] - t0, "tokens": len(stamps)}
+
+
+async def _load(url: str, model: str, work, concurrency: int, rate: float | None, seed: int) -> dict:
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    rng = random.Random(seed + 1)
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        async def limited(prompt, n, delay):
+            await asyncio.sleep(delay)
+            async with sem:
+                return await _one(client, url, model, prompt, n)
+
+        await asyncio.gather(*(limited(p, n, 0.0) for p, n in work[:2]))  # warm-up
+        delays, t = [], 0.0
+        for _ in work:
+            delays.append(t)
+            if rate:
+                t += rng.expovariate(rate)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(limited(p, n, d) for (p, n), d in zip(work, delays)))
+        wall = time.perf_counter() - start
+    itl = [x for r in results for x in r["itl"]]
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "wall_s": wall, "requests_per_s": len(results) / wall, "output_tokens_per_s": tokens / wall,
+        **_percentiles("ttft_ms", [r["ttft"] * 1e3 for r in results]),
+        **_percentiles("itl_ms", [x * 1e3 for x in itl]),
+        **_percentiles("e2e_s", [r["e2e"] for r in results]),
+    }
+
+
+def _percentiles(name: str, xs: list[float]) -> dict:
+    xs = sorted(xs)
+    if not xs:
+        return {}
+    pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]  # noqa: E731
+    return {f"{name}_p50": statistics.median(xs), f"{name}_p90": pick(0.90), f"{name}_p99": pick(0.99)}
+
+
+# ----------------------------------------------------------------------------- servers
+
+
+class _Served:
+    """``afd serve`` on a free port for one configuration; stopped with SIGTERM, never left behind."""
+
+    def __init__(self, model_dir: Path, flags: list[str], log_path: Path) -> None:
+        cmd = [sys.executable, "-m", "afd.cli.main", "serve", str(model_dir), "--port", "0", *flags]
+        with open(log_path, "w") as log:  # the server's stderr, shown if it fails to start
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        self.url = None
+        for line in self.proc.stdout:
+            if " on http://" in line:
+                self.url = line.split(" on ", 1)[1].split()[0]
+                self.model = line.split(": ", 1)[1].split(" on ")[0]
+                break
+        if self.url is None:
+            self.proc.wait(10)
+            raise RuntimeError(f"afd serve {' '.join(flags)} exited ({self.proc.returncode}) before listening:\n"
+                               + log_path.read_text()[-2000:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def _synthetic(layers: int, root: Path) -> Path:
+    from afd.cli.common import BUILTIN_MODEL
+    from afd.engine.tokenizer import Tokenizer
+    from afd.models.synthetic import deepseek_v2_lite_shaped, write_random_checkpoint
+
+    vocab = Tokenizer(BUILTIN_MODEL).vocab_size
+    out = root / f"deepseek-v2-lite-shaped-{layers}l"
+    write_random_checkpoint(deepseek_v2_lite_shaped(num_layers=layers, vocab_size=vocab), out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUILTIN_MODEL / name, out / name)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from afd.engine.tokenizer import Tokenizer
+
+    configs = []
+    for c in args.config or DEFAULT_CONFIGS:
+        name, sep, flags = c.partition("=")
+        if not sep or not name:
+            raise ValueError(f"bad --config {c!r}: use NAME=FLAGS (FLAGS may be empty for monolithic)")
+        configs.append((name, shlex.split(flags)))
+    tmp = Path(tempfile.mkdtemp(prefix="afd-bench-serve-"))
+    try:
+        model_dir = _synthetic(args.synthetic_layers, tmp) if args.synthetic_layers else resolve_model(args.model)
+        work = workload(args, Tokenizer(model_dir).vocab_size)
+        rows, results = [], {}
+        for name, flags in ([("url", [])] if args.url else configs):
+            server = None if args.url else _Served(model_dir, flags, tmp / f"{name}.log")
+            try:
+                url, model = (args.url, None) if server is None else (server.url, server.model)
+                if model is None:
+                    import httpx
+
+                    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+                runs = [asyncio.run(_load(url, model, work, args.concurrency, args.request_rate, args.seed)) for _ in range(args.runs)]
+            finally:
+                if server is not None:
+                    server.stop()
+            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            results[name] = {"flags": flags, "runs": runs, "median": med}
+            print(f"{name}: {med['output_tokens_per_s']:.1f} output tok/s (median of {args.runs})", file=sys.stderr)
+        first = next(iter(results.values()))["median"]
+        rows = [("config", "req/s", "out tok/s", "vs first", "TTFT p50", "p90", "p99 ms", "ITL p50", "p90", "p99 ms", "e2e p50 s")]
+        for name, r in results.items():
+            m = r["median"]
+            rows.append((name, f"{m['requests_per_s']:.2f}", f"{m['output_tokens_per_s']:.1f}",
+                         f"{m['output_tokens_per_s'] / first['output_tokens_per_s']:.2f}x",
+                         *(f"{m[f'ttft_ms_{q}']:.0f}" for q in ("p50", "p90", "p99")),
+                         *(f"{m[f'itl_ms_{q}']:.1f}" for q in ("p50", "p90", "p99")), f"{m['e2e_s_p50']:.2f}"))
+        print(f"model {model_dir.name}; {args.num_requests} requests, prompt {args.prompt_len}, output {args.output_len} tokens, "
+              + (f"{args.request_rate} req/s (Poisson), " if args.request_rate else "") + f"concurrency {args.concurrency}; "
+              f"medians of {args.runs} runs")
+        print_table(rows)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}, indent=2))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
