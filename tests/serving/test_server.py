@@ -153,6 +153,8 @@ def test_32_concurrent_streams_match_one_by_one(server, reference_engine):
     assert server.metric("afd_kv_blocks_peak") > 0
     assert server.metric("afd_kv_blocks_used") == 0  # every block back in the pool
     assert server.metric("afd_requests_in_flight") == 0
+    steps = [line for line in server.get("/metrics").text.splitlines() if line.startswith("afd_engine_steps_total{")]
+    assert steps and all(float(line.rsplit(" ", 1)[1]) > 0 for line in steps), steps  # every replica served
 
 
 def test_small_kv_budget_preempts_and_completes(reference_engine):
