@@ -224,11 +224,13 @@ class PipelineConfig:
     mode              ``sync``: one micro-batch, dispatch then wait, per layer;
                       ``async``: ``num_microbatches`` micro-batches ping-ponged so that
                       attention of one overlaps the transfer and FFN work of the others
-    num_microbatches  1..8 (async)
+    num_microbatches  1..8 (async); with ``adaptive``, the most the planner may choose
+    adaptive          choose m per step (1..num_microbatches) by simulating the schedule with the
+                      cost model (``--num-microbatches auto``)
     split             ``request`` (cut between sequences) or ``token`` (cut anywhere)
     credits           max dispatches in flight per attention rank (default: num_microbatches)
-    cost              planner cost model (attn_token, attn_context, ffn_token), e.g. fitted by
-                      ``afd bench costs``; None: the planner's defaults
+    cost              planner cost model (attn_token, attn_context, ffn_token[, attn_call, ffn_call,
+                      transfer]), e.g. fitted by ``afd bench costs``; None: the planner's defaults
     min_microbatch_tokens  a step with fewer than m x this many tokens runs fewer micro-batches
                       (1: always m when possible)
     """
@@ -237,8 +239,9 @@ class PipelineConfig:
     num_microbatches: int = 2
     split: str = "token"
     credits: int | None = None
-    cost: tuple[float, float, float] | None = None
+    cost: tuple[float, ...] | None = None
     min_microbatch_tokens: int = 1
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -251,8 +254,9 @@ class PipelineConfig:
             raise ValueError(f"credits must be in [1, 8], got {self.credits}")
         if self.min_microbatch_tokens < 1:
             raise ValueError(f"--min-microbatch-tokens must be >= 1, got {self.min_microbatch_tokens}")
-        if self.cost is not None and (len(self.cost) != 3 or min(self.cost) < 0 or max(self.cost) <= 0):
-            raise ValueError(f"cost must be three non-negative numbers (attn_token, attn_context, ffn_token), got {self.cost}")
+        if self.cost is not None and (len(self.cost) not in (3, 6) or min(self.cost) < 0 or max(self.cost) <= 0):
+            raise ValueError("cost must be 3 or 6 non-negative numbers (attn_token, attn_context, ffn_token"
+                             f"[, attn_call, ffn_call, transfer]), got {self.cost}")
 
     @property
     def effective_microbatches(self) -> int:

@@ -26,7 +26,7 @@ from afd.connectors.endpoints import AttentionEndpoint, DispatchHandle
 from afd.distributed.topology import Topology
 from afd.kvcache import AttentionMetadata, PagedKVCache, SeqChunk, build_attention_metadata
 from afd.models.base import MoEModel, Observer
-from afd.pipeline import Action, CostModel, MicrobatchPlan, plan_microbatches, ping_pong
+from afd.pipeline import Action, CostModel, MicrobatchPlan, choose_plan, plan_microbatches, ping_pong
 from afd.types import Routing
 
 
@@ -88,8 +88,17 @@ class DisaggregatedRunner:
     # ------------------------------------------------------------------ planning
     def _microbatches(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk]) -> tuple[list[_Microbatch], list[tuple[int, int]]]:
         cost = CostModel(*self.pipeline.cost) if self.pipeline.cost else self.cost
-        plan = plan_microbatches([(c.start, c.length) for c in chunks], self.pipeline.effective_microbatches, self.pipeline.split, cost,
-                                 self.pipeline.min_microbatch_tokens)
+        spans = [(c.start, c.length) for c in chunks]
+        if self.pipeline.adaptive and self.pipeline.mode == "async":
+            plan = choose_plan(spans, self.pipeline.num_microbatches, self.model.config.num_layers, self.pipeline.split, cost,
+                               self.pipeline.credits)
+            if self.trace is not None:
+                now = time.perf_counter()
+                estimates = ", ".join(f"m={m}: {t:.3g}" for m, t in plan.estimates)
+                self.trace.append(TraceEvent(now, now, "plan", 0, -1, self.seq, 0, f"chose m={plan.num_microbatches} ({estimates})"))
+        else:
+            plan = plan_microbatches(spans, self.pipeline.effective_microbatches, self.pipeline.split, cost,
+                                     self.pipeline.min_microbatch_tokens)
         self.last_plan = plan
         self.num_steps += 1
         if plan.degraded:

@@ -36,6 +36,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-microbatches", type=int, default=2)
     p.add_argument("--split", choices=["request", "token"], default="token")
     p.add_argument("--min-microbatch-tokens", type=int, default=16, help="for the extra 'async, small steps whole' row")
+    p.add_argument("--cost-model", help="costs for the 'async auto' row (JSON of afd bench costs; default: fitted here first)")
+    p.add_argument("--transfer-us", type=float, default=100.0, help="one-way message cost the auto row assumes when fitting here (default 100)")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--json", dest="json_out")
     p.set_defaults(func=run)
@@ -54,7 +56,7 @@ def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict
     topo = Topology(parse_devices(args.attention_devices), parse_devices(args.ffn_devices), transport=args.transport)
     engine = EngineArgs(dtype="auto", kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len))
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    times, busy, inflight = [], [], []
+    times, busy, inflight, chosen = [], [], [], {}
     with Cluster(model_dir, topo, engine, pipeline=pipeline) as cluster:
         cluster.generate(prompts, params, pipeline)  # warm-up
         for _ in range(args.runs):
@@ -68,6 +70,10 @@ def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict
             attn = sum(e.end - e.start for e in events if e.action in ("attention", "dispatch"))
             busy.append(attn / span)
             inflight.append(statistics.mean(e.in_flight for e in events if e.action == "dispatch"))
+            for e in events:
+                if e.action == "plan":  # adaptive: "chose m=2 (...)"
+                    m = int(e.note.split("m=", 1)[1].split()[0])
+                    chosen[m] = chosen.get(m, 0) + 1
         ffn_rank = next(r for r in cluster.ranks if r.spec.role.name == "FFN")
     stats = ffn_rank.final_stats or {}
     total = sum(times) + times[0]  # the FFN counters include the warm-up
@@ -79,6 +85,7 @@ def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict
         "mean_in_flight": statistics.median(inflight),
         "mean_gemm_rows": stats.get("mean_gemm_rows", 0.0),
         "items_per_ffn_batch": stats.get("items_per_batch", 0.0),
+        **({"steps_by_chosen_m": dict(sorted(chosen.items()))} if chosen else {}),
     }
 
 
@@ -97,6 +104,23 @@ def _run_monolithic(model_dir: Path, args, prompts) -> dict:
     return {"step_s": statistics.median(times)}
 
 
+def _auto_costs(model_dir: Path, args) -> tuple[float, ...]:
+    """The cost model the adaptive row plans with: --cost-model, else fitted on this model now."""
+    if args.cost_model:
+        c = json.loads(Path(args.cost_model).read_text())
+    else:
+        from afd.cli.bench_costs import fit
+        from afd.models import load_model
+
+        model, _ = load_model(model_dir)
+        c = fit(model, repeats=3)
+        del model
+    c.setdefault("transfer", args.transfer_us * 1e-6)
+    keys = ("attn_token", "attn_context", "ffn_token", "attn_call", "ffn_call", "transfer")
+    print("auto row costs: " + ", ".join(f"{k} {c[k]:.3g}" for k in keys), file=sys.stderr)
+    return tuple(max(0.0, float(c[k])) for k in keys)
+
+
 def run(args: argparse.Namespace) -> int:
     from afd.models import load_model_config
     from afd.models.synthetic import deepseek_v2_lite_shaped, write_random_checkpoint
@@ -113,11 +137,14 @@ def run(args: argparse.Namespace) -> int:
         label = f"synthetic DeepSeek-V2-Lite-shaped, {args.synthetic_layers} layers, bf16"
     try:
         prompts = _workload(load_model_config(model_dir).vocab_size, args)
+        cost = _auto_costs(model_dir, args)
         results = {
             "sync": _run_split(model_dir, args, PipelineConfig("sync"), prompts),
             f"async m={args.num_microbatches}": _run_split(model_dir, args, PipelineConfig("async", args.num_microbatches, args.split), prompts),
             f"async m={args.num_microbatches}, min {args.min_microbatch_tokens} tok": _run_split(
                 model_dir, args, PipelineConfig("async", args.num_microbatches, args.split, min_microbatch_tokens=args.min_microbatch_tokens), prompts),
+            f"async auto (m<={args.num_microbatches})": _run_split(
+                model_dir, args, PipelineConfig("async", args.num_microbatches, args.split, cost=cost, adaptive=True), prompts),
             "monolithic (2 threads)": _run_monolithic(model_dir, args, prompts),
         }
     finally:
@@ -132,14 +159,19 @@ def run(args: argparse.Namespace) -> int:
         else:
             rows.append((name, f"{r['step_s']:.3f}", "", "", "", "", "", ""))
     print_table(rows)
+    for name, r in results.items():
+        if "steps_by_chosen_m" in r:
+            print(f"{name}: steps by chosen m (all runs): " + ", ".join(f"m={m}: {n}" for m, n in r["steps_by_chosen_m"].items()))
     a = results[f"async m={args.num_microbatches}"]["step_s"]
     a_min = results[f"async m={args.num_microbatches}, min {args.min_microbatch_tokens} tok"]["step_s"]
     s_ = results["sync"]["step_s"]
+    auto = results[f"async auto (m<={args.num_microbatches})"]["step_s"]
     mono = results["monolithic (2 threads)"]["step_s"]
     print(f"summary: {label}; {args.attention_devices} attention / {args.ffn_devices} FFN over {args.transport}; "
           f"{args.num_seqs} seqs x {args.prompt_len} prompt + {args.new_tokens} new, median of {args.runs}: "
           f"async m={args.num_microbatches} {s_ / a:.2f}x vs sync ({s_ / a_min:.2f}x keeping steps under "
-          f"{args.num_microbatches} x {args.min_microbatch_tokens} tokens whole), {mono / a:.2f}x vs monolithic")
+          f"{args.num_microbatches} x {args.min_microbatch_tokens} tokens whole; {s_ / auto:.2f}x choosing m per step), "
+          f"{mono / a:.2f}x vs monolithic")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"model": label, "results": results, "args": vars(args) | {"func": None}}, indent=2, default=str))
     return 0

@@ -63,7 +63,9 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gate", choices=["attention", "ffn"], default="attention", help="where the router runs (default attention: per-expert M2N routing)")
     g.add_argument("--mode", choices=["sync", "async"], default="async",
                    help="async (default): micro-batches ping-ponged so attention overlaps transfer and FFN work; sync: dispatch, then wait, per layer")
-    g.add_argument("--num-microbatches", type=int, default=2, help="micro-batches per step in async mode (1..8, default 2)")
+    g.add_argument("--num-microbatches", type=_microbatches, default=2,
+                   help="micro-batches per step in async mode: 1..8 (default 2), or auto[:M]: per step, the m <= M (default 4) "
+                        "that the cost model's simulation of the schedule says is fastest")
     g.add_argument("--split", choices=["request", "token"], default="token", help="cut micro-batches between requests, or anywhere (default)")
     g.add_argument("--min-microbatch-tokens", type=int, default=1,
                    help="a step with fewer than M x N tokens runs fewer micro-batches (e.g. 16 keeps small decode steps whole; default 1)")
@@ -76,6 +78,20 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--node-rank", type=int, default=0)
     m.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (the rendezvous)")
     m.add_argument("--master-port", type=int, default=0, help="the rendezvous port (required with --nnodes 2)")
+
+
+def _microbatches(text: str):
+    """'2' -> 2; 'auto' -> ('auto', 4); 'auto:8' -> ('auto', 8)."""
+    if text.startswith("auto"):
+        most = text.partition(":")[2]
+        try:
+            return ("auto", int(most) if most else 4)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad --num-microbatches {text!r}: use 1..8, auto or auto:M") from None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad --num-microbatches {text!r}: use 1..8, auto or auto:M") from None
 
 
 def topology_from_args(args: argparse.Namespace, num_experts: int):
@@ -106,9 +122,15 @@ def pipeline_from_args(args: argparse.Namespace):
         import json
 
         c = json.loads(open(args.cost_model).read())
-        cost = (float(c["attn_token"]), float(c["attn_context"]), float(c["ffn_token"]))
-    return PipelineConfig(mode=args.mode, num_microbatches=args.num_microbatches, split=args.split, cost=cost,
-                          min_microbatch_tokens=args.min_microbatch_tokens)
+        keys = ["attn_token", "attn_context", "ffn_token"]
+        if "attn_call" in c:  # fitted by afd bench costs: seconds, with the fixed costs that choose m
+            keys += ["attn_call", "ffn_call", "transfer"]
+            c.setdefault("transfer", 100e-6)
+        cost = tuple(max(0.0, float(c[k])) for k in keys)
+    adaptive = isinstance(args.num_microbatches, tuple)
+    m = args.num_microbatches[1] if adaptive else args.num_microbatches
+    return PipelineConfig(mode=args.mode, num_microbatches=m, split=args.split, cost=cost,
+                          min_microbatch_tokens=args.min_microbatch_tokens, adaptive=adaptive)
 
 
 def print_table(rows: list[tuple[str, ...]] | list[list[str]]) -> None:

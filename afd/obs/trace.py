@@ -24,8 +24,8 @@ def chrome_trace(attention: dict[str, Sequence], ffn: dict[str, Sequence[tuple]]
     for name, evs in attention.items():
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
         for e in evs:
-            if e.action == "degraded":
-                events.append({"ph": "i", "s": "p", "name": "degraded", "pid": pid, "tid": 0, "ts": 1e6 * (e.start - t0), "args": {"why": e.note, "seq": e.seq}})
+            if e.action in ("degraded", "plan"):  # instants: a plan that degraded, or an adaptive choice of m
+                events.append({"ph": "i", "s": "p", "name": e.action, "pid": pid, "tid": 0, "ts": 1e6 * (e.start - t0), "args": {"why": e.note, "seq": e.seq}})
                 continue
             events.append({
                 "ph": "X", "cat": e.action, "name": f"{e.action} L{e.layer} mb{e.microbatch}", "pid": pid, "tid": 0,

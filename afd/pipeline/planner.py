@@ -20,7 +20,7 @@ plan degrades to fewer pieces and says why in ``degraded`` -- never silently.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 POLICIES = ("request", "token")
@@ -29,11 +29,26 @@ MAX_MICROBATCHES = 8
 
 @dataclass(frozen=True)
 class CostModel:
-    """Relative per-token costs; defaults fit a small MoE on CPU, ``afd bench pipeline`` can refit them."""
+    """Costs of one layer, in one unit (``afd bench costs`` fits them in seconds on a model; the defaults
+    are relative, from the built-in model on CPU). Per token: ``attn_token`` + ``attn_context`` x
+    (position + 1) on the attention side, ``ffn_token`` on the FFN side. Per micro-batch and layer (used
+    only to choose m, see :func:`choose_plan`): ``attn_call`` and ``ffn_call`` (a call's fixed cost:
+    kernel launches, re-reading the expert weights) and ``transfer`` (one message, one way)."""
 
     attn_token: float = 1.0
     attn_context: float = 0.01
     ffn_token: float = 2.0
+    attn_call: float = 40.0
+    ffn_call: float = 60.0
+    transfer: float = 50.0
+
+    def attention_cost(self, spans) -> float:
+        return self.attn_call + sum(
+            sp.length * self.attn_token + self.attn_context * (sp.length * sp.start + sp.length * (sp.length + 1) / 2) for sp in spans
+        )
+
+    def ffn_cost(self, num_tokens: int) -> float:
+        return self.ffn_call + self.ffn_token * num_tokens
 
     def token_cost(self, position: int) -> float:
         return self.attn_token + self.attn_context * (position + 1) + self.ffn_token
@@ -60,6 +75,7 @@ class MicrobatchPlan:
     requested: int
     policy: str
     degraded: str | None = None
+    estimates: tuple[tuple[int, float], ...] = ()  # (m, simulated step time) when m was chosen adaptively
 
     @property
     def num_microbatches(self) -> int:
@@ -201,3 +217,53 @@ def _groups_needed(weights: Sequence[float], limit: float) -> int:
             groups, acc = groups + 1, 0.0
         acc += w
     return groups
+
+
+# ----------------------------------------------------------------------------- choosing m
+
+
+def simulate_step(plan: MicrobatchPlan, num_layers: int, cost: CostModel, credits: int | None = None) -> float:
+    """Estimated time of one step run by the ping-pong schedule: the attention rank executes the
+    schedule's steps in order; the FFN side serves dispatches first come, first served; a message
+    takes ``cost.transfer`` each way. (Pure; the schedule is the one the runtime executes.)"""
+    from afd.pipeline.schedule import Action, ping_pong
+
+    m = plan.num_microbatches
+    attn = [cost.attention_cost(piece) for piece in plan.pieces]
+    ffn = [cost.ffn_cost(sum(sp.length for sp in piece)) for piece in plan.pieces]
+    t_attn = t_ffn = 0.0
+    ready: dict[tuple[int, int], float] = {}
+    for step in ping_pong(m, num_layers, min(credits or m, m)):
+        if step.action is Action.ATTENTION:
+            t_attn += attn[step.microbatch]
+        elif step.action is Action.DISPATCH:
+            t_ffn = max(t_ffn, t_attn + cost.transfer) + ffn[step.microbatch]
+            ready[(step.microbatch, step.layer)] = t_ffn + cost.transfer
+        else:
+            t_attn = max(t_attn, ready.pop((step.microbatch, step.layer)))
+    return t_attn
+
+
+def choose_plan(
+    chunks: Sequence[tuple[int, int]],
+    max_microbatches: int,
+    num_layers: int,
+    policy: str = "token",
+    cost: CostModel = CostModel(),
+    credits: int | None = None,
+    min_gain: float = 0.03,
+) -> MicrobatchPlan:
+    """Adaptive m: plan the step for every m in 1..``max_microbatches``, simulate each with the cost
+    model, keep the fastest. More micro-batches must win by ``min_gain`` (relative) to be chosen: every
+    extra one pays its fixed costs for real, while the estimate's gain may be noise. The estimates are
+    kept in the plan (and the trace)."""
+    best, best_t, estimates = None, float("inf"), []
+    for m in range(1, max_microbatches + 1):
+        plan = plan_microbatches(chunks, m, policy, cost)
+        if plan.num_microbatches < m:
+            break  # no more pieces to be had (one token, or fewer requests than m)
+        t = simulate_step(plan, num_layers, cost, credits)
+        estimates.append((m, t))
+        if t < best_t * (1 - min_gain):
+            best, best_t = plan, t
+    return replace(best, requested=max_microbatches, estimates=tuple(estimates))

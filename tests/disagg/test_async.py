@@ -144,3 +144,23 @@ def test_silence_without_heartbeats_is_reported_not_hung(reference):
         with Cluster(BUILTIN_MODEL, t, ENGINE, link_timeout=1.0, heartbeat_interval=0.0, pipeline=PipelineConfig("sync")) as cluster:
             cluster.request(0, ("sleep", 3.0), "sleep")
             cluster.request(0, ("capture", PROMPTS), "capture")
+
+
+def test_adaptive_microbatching_chooses_per_step_and_keeps_parity(reference):
+    """--num-microbatches auto: a long prefill step is split (overlap pays for the fixed costs), decode
+    steps of a few tokens are not; outputs equal the monolithic model's, and the trace says why."""
+    model, ref_values, ref_logits = reference
+    auto = PipelineConfig("async", 4, "token", adaptive=True)
+    with Cluster(BUILTIN_MODEL, topology(1, 1, transport="loopback"), ENGINE, pipeline=auto) as cluster:
+        check_all_pipelines(cluster, model, ref_values, ref_logits, [auto])
+        cluster.request(0, ("trace", True), "trace")
+        tok = Tokenizer(BUILTIN_MODEL)
+        prompt = ("KING.\nWhat say you, my lords? " * 12)[:300]
+        out = cluster.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), auto)[0]
+        events, _ = cluster.request(0, ("get_trace", None), "get_trace")
+    chosen = [int(e.note.split("m=", 1)[1].split()[0]) for e in events if e.action == "plan"]
+    assert len(chosen) == 6  # one choice per step: the prefill, then 5 decode steps
+    assert chosen[0] > 1 and chosen[1:] == [1] * 5, chosen
+    ref, gaps = support.greedy_with_gaps(model, tok.encode(prompt), 6)
+    report = compare_greedy(ref, out.token_ids, gaps)
+    assert report.ok, report

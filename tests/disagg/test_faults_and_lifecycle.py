@@ -96,6 +96,9 @@ def test_ctrl_c_stops_every_rank():
     proc = subprocess.Popen(
         afd_cmd("--prompt", "ROMEO:", "--max-tokens", "900", "--ignore-eos", "--attention-ranks", "2", "--ffn-ranks", "1", "--mode", "sync"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(AFD_RUN_ID=run_id),
+        # as from a terminal: a shell without job control starts background jobs with SIGINT ignored,
+        # and the child would inherit that (a CI runner may be such a job)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120

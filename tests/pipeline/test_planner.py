@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from afd.pipeline import CostModel, plan_microbatches
+from afd.pipeline import CostModel, choose_plan, plan_microbatches, simulate_step
 
 chunks_st = st.lists(st.tuples(st.integers(0, 50), st.integers(1, 12)), min_size=1, max_size=6)
 
@@ -103,3 +103,47 @@ def test_small_steps_keep_fewer_microbatches_and_say_why():
     assert plan_microbatches(decode, 4, "token", min_tokens=4).num_microbatches == 2
     with pytest.raises(ValueError, match="min_tokens"):
         plan_microbatches(decode, 2, "token", min_tokens=0)
+
+
+# ----------------------------------------------------------------------------- adaptive m
+
+
+def test_simulated_step_time_by_hand():
+    """Two layers, a 2-token step, 1 unit per token on each side, no fixed costs: sync (m=1) takes
+    2 x (2 + 2) = 8; two micro-batches ping-ponged take 2 x 2 x max(a, f) + min(a, f) = 5."""
+    cost = CostModel(attn_token=1, attn_context=0, ffn_token=1, attn_call=0, ffn_call=0, transfer=0)
+    one, two = (plan_microbatches([(0, 2)], m, "token", cost) for m in (1, 2))
+    assert simulate_step(one, 2, cost) == 8 and simulate_step(two, 2, cost) == 5
+    with_transfer = CostModel(attn_token=1, attn_context=0, ffn_token=1, attn_call=0, ffn_call=0, transfer=0.5)
+    assert simulate_step(one, 2, with_transfer) == 2 * (2 + 2 + 2 * 0.5)
+    chosen = choose_plan([(0, 2)], 2, 2, "token", cost)
+    assert chosen.num_microbatches == 2 and chosen.estimates == ((1, 8), (2, 5)) and chosen.degraded is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(chunks=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 40)), min_size=1, max_size=5), m=st.integers(1, 4),
+       layers=st.integers(1, 4), costs=st.tuples(*[st.floats(0.01, 5)] * 3, *[st.floats(0, 5)] * 3))
+def test_simulated_time_is_bounded_by_the_work(chunks, m, layers, costs):
+    """No resource finishes faster than its own work; nothing takes longer than doing everything in turn."""
+    cost = CostModel(*costs)
+    plan = plan_microbatches(chunks, m, "token", cost)
+    a = [cost.attention_cost(p) for p in plan.pieces]
+    f = [cost.ffn_cost(sum(sp.length for sp in p)) for p in plan.pieces]
+    t = simulate_step(plan, layers, cost)
+    assert t >= layers * max(sum(a), sum(f)) - 1e-9
+    assert t <= layers * sum(x + y + 2 * cost.transfer for x, y in zip(a, f)) + 1e-9
+    if plan.num_microbatches == 1:
+        assert t == pytest.approx(layers * (a[0] + f[0] + 2 * cost.transfer))
+
+
+def test_choice_follows_the_costs():
+    default = CostModel()
+    decode = choose_plan([(40, 1), (12, 1), (70, 1)], 4, 4, "token", default)
+    assert decode.num_microbatches == 1 and [m for m, _ in decode.estimates] == [1, 2, 3]  # fixed costs dominate
+    prefill = choose_plan([(0, 400)], 4, 4, "token", default)
+    assert prefill.num_microbatches > 1  # overlap is worth its fixed costs
+    assert [m for m, _ in choose_plan([(0, 1)], 4, 4, "token", default).estimates] == [1]  # one token: nothing to choose
+    costly_calls = CostModel(ffn_call=1e6)
+    assert choose_plan([(0, 400)], 4, 4, "token", costly_calls).num_microbatches == 1
+    # the request policy cannot split one request
+    assert choose_plan([(0, 400)], 4, 4, "request", default).num_microbatches == 1

@@ -132,7 +132,9 @@ def test_killing_an_ffn_rank_fails_in_flight_requests_and_exits_nonzero():
 
 
 def test_sigterm_finishes_short_requests_aborts_long_ones_and_leaves_nothing():
-    s = Server(*ONE_A_ONE_F, "--shutdown-timeout", "3")
+    # a slowed FFN side (20 ms per batch, >= 60 ms per step) makes 1000 tokens take a minute whatever the
+    # machine, while 8 tokens still finish well within the 3 s deadline
+    s = Server(*ONE_A_ONE_F, "--shutdown-timeout", "3", env={"AFD_FFN_DELAY_MS": "20"})
     try:
         results: list = []
         t_term: list = []
