@@ -56,7 +56,7 @@ def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict
     topo = Topology(parse_devices(args.attention_devices), parse_devices(args.ffn_devices), transport=args.transport)
     engine = EngineArgs(dtype="auto", kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len))
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    times, busy, inflight, chosen = [], [], [], {}
+    times, busy, inflight, chosen, edges = [], [], [], {}, []
     with Cluster(model_dir, topo, engine, pipeline=pipeline) as cluster:
         cluster.generate(prompts, params, pipeline)  # warm-up
         for _ in range(args.runs):
@@ -70,6 +70,7 @@ def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict
             attn = sum(e.end - e.start for e in events if e.action in ("attention", "dispatch"))
             busy.append(attn / span)
             inflight.append(statistics.mean(e.in_flight for e in events if e.action == "dispatch"))
+            edges.append(_fill_drain(events))
             for e in events:
                 if e.action == "plan":  # adaptive: "chose m=2 (...)"
                     m = int(e.note.split("m=", 1)[1].split()[0])
@@ -85,8 +86,26 @@ def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict
         "mean_in_flight": statistics.median(inflight),
         "mean_gemm_rows": stats.get("mean_gemm_rows", 0.0),
         "items_per_ffn_batch": stats.get("items_per_batch", 0.0),
+        "fill_drain": statistics.median(edges),
         **({"steps_by_chosen_m": dict(sorted(chosen.items()))} if chosen else {}),
     }
+
+
+def _fill_drain(events) -> float:
+    """Share of the run's step time spent filling and draining the pipeline: per step, from its first
+    attention to its first dispatch (the FFN side has nothing yet), and from its last dispatch to its
+    last combine (the attention side has nothing left)."""
+    steps: dict[int, list] = {}
+    for e in events:
+        if e.action in ("attention", "dispatch", "combine"):
+            steps.setdefault(e.seq, []).append(e)
+    edge = total = 0.0
+    for evs in steps.values():
+        start, end = min(e.start for e in evs), max(e.end for e in evs)
+        dispatches = [e for e in evs if e.action == "dispatch"]
+        edge += (min(e.start for e in dispatches) - start) + (end - max(e.end for e in dispatches))
+        total += end - start
+    return edge / total if total else 0.0
 
 
 def _run_monolithic(model_dir: Path, args, prompts) -> dict:
@@ -150,14 +169,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if tmp is not None:
             tmp.cleanup()
-    header = ("mode", "run s", "attn busy", "bubble", "ffn busy", "in flight", "GEMM rows", "items/batch")
+    header = ("mode", "run s", "attn busy", "bubble", "fill+drain", "ffn busy", "in flight", "GEMM rows", "items/batch")
     rows = [header]
     for name, r in results.items():
         if "attention_busy" in r:
-            rows.append((name, f"{r['step_s']:.3f}", f"{100 * r['attention_busy']:.0f}%", f"{100 * r['bubble']:.0f}%",
+            rows.append((name, f"{r['step_s']:.3f}", f"{100 * r['attention_busy']:.0f}%", f"{100 * r['bubble']:.0f}%", f"{100 * r['fill_drain']:.0f}%",
                          f"{100 * r['ffn_busy']:.0f}%", f"{r['mean_in_flight']:.2f}", f"{r['mean_gemm_rows']:.1f}", f"{r['items_per_ffn_batch']:.2f}"))
         else:
-            rows.append((name, f"{r['step_s']:.3f}", "", "", "", "", "", ""))
+            rows.append((name, f"{r['step_s']:.3f}", "", "", "", "", "", "", ""))
     print_table(rows)
     for name, r in results.items():
         if "steps_by_chosen_m" in r:
