@@ -43,17 +43,24 @@ def run(args: argparse.Namespace) -> int:
         log.info("monolithic: %s, %s", model_dir, engine.config.cache)
         replicas = LocalReplicas(engine)
     else:
-        if args.nnodes > 1:
-            raise ValueError("afd serve runs on one host for now (--nnodes 1); use afd generate for multi-node runs")
         from afd import env
         from afd.engine.launcher import Cluster
         from afd.engine.ranks import EngineArgs
 
         engine_args = EngineArgs(args.dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_num_batched_tokens)
-        cluster = Cluster(model_dir, topology, engine_args, io_log=env.io_log(), pipeline=pipeline_from_args(args))
+        cluster = Cluster(model_dir, topology, engine_args, io_log=env.io_log(), pipeline=pipeline_from_args(args), nnodes=args.nnodes,
+                          node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
         log.info("disaggregated: %s, %s, %s", model_dir, topology, pipeline_from_args(args))
         print(f"afd serve: starting {topology.num_attention_ranks} attention + {topology.num_ffn_ranks} FFN ranks ...", file=sys.stderr, flush=True)
         cluster.start()
+        if not cluster.attention_ranks():  # the FFN node of a multi-node run: no HTTP here, serve node 0's ranks
+            print(f"afd serve: node {args.node_rank}: FFN ranks serving node 0's attention ranks", flush=True)
+            try:
+                cluster.wait_until_done()
+            finally:
+                cluster.shutdown()
+            print(f"afd serve: node {args.node_rank}: the run ended", flush=True)
+            return 0
         replicas = ClusterReplicas(cluster, pipeline_from_args(args))
     metrics = Metrics()
     frontend = Frontend(replicas, metrics)
