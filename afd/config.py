@@ -257,6 +257,9 @@ class PipelineConfig:
         if self.cost is not None and (len(self.cost) not in (3, 6) or min(self.cost) < 0 or max(self.cost) <= 0):
             raise ValueError("cost must be 3 or 6 non-negative numbers (attn_token, attn_context, ffn_token"
                              f"[, attn_call, ffn_call, transfer]), got {self.cost}")
+        if self.adaptive and self.cost is not None and len(self.cost) != 6:
+            raise ValueError("adaptive micro-batching needs all six costs (with attn_call, ffn_call, transfer in the same unit "
+                             "as the per-token ones): use the JSON of afd bench costs")
 
     @property
     def effective_microbatches(self) -> int:

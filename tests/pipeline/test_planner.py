@@ -90,8 +90,12 @@ def test_cost_model_fit_feeds_the_planner(checkpoints):
     PipelineConfig("async", 2, "token", cost=cost)
     plan = plan_microbatches([(0, 300)], 2, "token", CostModel(*cost))
     assert plan.num_microbatches == 2
-    with pytest.raises(ValueError, match="cost must be three"):
+    with pytest.raises(ValueError, match="cost must be 3 or 6"):
         PipelineConfig("async", 2, "token", cost=(1.0, -1.0, 1.0))
+    with pytest.raises(ValueError, match="needs all six costs"):  # per-token seconds with relative fixed costs: nonsense
+        PipelineConfig("async", 2, "token", cost=cost, adaptive=True)
+    full = cost + (max(0.0, coef["attn_call"]), max(0.0, coef["ffn_call"]), 1e-4)
+    assert PipelineConfig("async", 4, "token", cost=full, adaptive=True).adaptive
 
 
 def test_small_steps_keep_fewer_microbatches_and_say_why():
