@@ -194,3 +194,18 @@ def test_health_and_metrics_format(server):
         assert server.metric("afd_connector_bytes_total") > 0 and server.metric("afd_connector_round_trips_total") > 0
     r = httpx.get(server.url + "/nope")
     assert r.status_code == 404 and "error" in r.json()
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(server):
+    """Per-request random streams: a seeded request samples the same text alone and among 8 others."""
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+
+    async def ask(prompt, seed):
+        r = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, temperature=0.9, top_p=0.95, seed=seed)
+        return r.choices[0].text
+
+    async def crowd():
+        return await asyncio.gather(ask("ROMEO:", 123), *(ask(f"KING {i}:", i) for i in range(8)))
+
+    alone = asyncio.run(ask("ROMEO:", 123))
+    assert asyncio.run(crowd())[0] == alone
