@@ -204,8 +204,10 @@ def test_seeded_sampling_does_not_depend_on_the_batch(server):
         r = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, temperature=0.9, top_p=0.95, seed=seed)
         return r.choices[0].text
 
-    async def crowd():
-        return await asyncio.gather(ask("ROMEO:", 123), *(ask(f"KING {i}:", i) for i in range(8)))
+    async def alone_then_crowd():
+        alone = await ask("ROMEO:", 123)
+        crowd = await asyncio.gather(ask("ROMEO:", 123), *(ask(f"KING {i}:", i) for i in range(8)))
+        return alone, crowd[0]
 
-    alone = asyncio.run(ask("ROMEO:", 123))
-    assert asyncio.run(crowd())[0] == alone
+    alone, in_crowd = asyncio.run(alone_then_crowd())
+    assert in_crowd == alone
