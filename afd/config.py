@@ -230,7 +230,7 @@ class PipelineConfig:
     split             ``request`` (cut between sequences) or ``token`` (cut anywhere)
     credits           max dispatches in flight per attention rank (default: num_microbatches)
     cost              planner cost model (attn_token, attn_context, ffn_token[, attn_call, ffn_call,
-                      transfer]), e.g. fitted by ``afd bench costs``; None: the planner's defaults
+                      transfer[, ffn_expert]]), e.g. fitted by ``afd bench costs``; None: the defaults
     min_microbatch_tokens  a step with fewer than m x this many tokens runs fewer micro-batches
                       (1: always m when possible)
     """
@@ -254,10 +254,10 @@ class PipelineConfig:
             raise ValueError(f"credits must be in [1, 8], got {self.credits}")
         if self.min_microbatch_tokens < 1:
             raise ValueError(f"--min-microbatch-tokens must be >= 1, got {self.min_microbatch_tokens}")
-        if self.cost is not None and (len(self.cost) not in (3, 6) or min(self.cost) < 0 or max(self.cost) <= 0):
-            raise ValueError("cost must be 3 or 6 non-negative numbers (attn_token, attn_context, ffn_token"
-                             f"[, attn_call, ffn_call, transfer]), got {self.cost}")
-        if self.adaptive and self.cost is not None and len(self.cost) != 6:
+        if self.cost is not None and (len(self.cost) not in (3, 6, 7) or min(self.cost) < 0 or max(self.cost) <= 0):
+            raise ValueError("cost must be 3, 6 or 7 non-negative numbers (attn_token, attn_context, ffn_token"
+                             f"[, attn_call, ffn_call, transfer[, ffn_expert]]), got {self.cost}")
+        if self.adaptive and self.cost is not None and len(self.cost) == 3:
             raise ValueError("adaptive micro-batching needs all six costs (with attn_call, ffn_call, transfer in the same unit "
                              "as the per-token ones): use the JSON of afd bench costs")
 

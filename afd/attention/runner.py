@@ -16,7 +16,7 @@ One step:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -90,6 +90,8 @@ class DisaggregatedRunner:
         cost = CostModel(*self.pipeline.cost) if self.pipeline.cost else self.cost
         spans = [(c.start, c.length) for c in chunks]
         if self.pipeline.adaptive and self.pipeline.mode == "async":
+            moe = self.model.config.moe
+            cost = replace(cost, num_experts=moe.num_experts, top_k=moe.top_k)  # for the expert-read term
             plan = choose_plan(spans, self.pipeline.num_microbatches, self.model.config.num_layers, self.pipeline.split, cost,
                                self.pipeline.credits)
             if self.trace is not None:

@@ -132,10 +132,11 @@ def _auto_costs(model_dir: Path, args) -> tuple[float, ...]:
         from afd.models import load_model
 
         model, _ = load_model(model_dir)
-        c = fit(model, repeats=3)
+        c = fit(model, repeats=3, threads=1)  # one thread, as the ranks run
         del model
     c.setdefault("transfer", args.transfer_us * 1e-6)
-    keys = ("attn_token", "attn_context", "ffn_token", "attn_call", "ffn_call", "transfer")
+    keys = ("attn_token", "attn_context", "ffn_token", "attn_call", "ffn_call", "transfer", "ffn_expert")
+    c.setdefault("ffn_expert", 0.0)
     print("auto row costs: " + ", ".join(f"{k} {c[k]:.3g}" for k in keys), file=sys.stderr)
     return tuple(max(0.0, float(c[k])) for k in keys)
 

@@ -124,7 +124,7 @@ def pipeline_from_args(args: argparse.Namespace):
         c = json.loads(open(args.cost_model).read())
         keys = ["attn_token", "attn_context", "ffn_token"]
         if "attn_call" in c:  # fitted by afd bench costs: seconds, with the fixed costs that choose m
-            keys += ["attn_call", "ffn_call", "transfer"]
+            keys += ["attn_call", "ffn_call", "transfer"] + (["ffn_expert"] if "ffn_expert" in c else [])
             c.setdefault("transfer", 100e-6)
         cost = tuple(max(0.0, float(c[k])) for k in keys)
     adaptive = isinstance(args.num_microbatches, tuple)

@@ -32,8 +32,11 @@ class CostModel:
     """Costs of one layer, in one unit (``afd bench costs`` fits them in seconds on a model; the defaults
     are relative, from the built-in model on CPU). Per token: ``attn_token`` + ``attn_context`` x
     (position + 1) on the attention side, ``ffn_token`` on the FFN side. Per micro-batch and layer (used
-    only to choose m, see :func:`choose_plan`): ``attn_call`` and ``ffn_call`` (a call's fixed cost:
-    kernel launches, re-reading the expert weights) and ``transfer`` (one message, one way)."""
+    only to choose m, see :func:`choose_plan`): ``attn_call`` and ``ffn_call`` (a call's fixed cost),
+    ``transfer`` (one message, one way), and ``ffn_expert`` per distinct routed expert the micro-batch
+    touches (reading its weights): n tokens choosing ``top_k`` of ``num_experts`` touch
+    E·(1 − (1 − k/E)^n) experts in expectation, so halving a decode step does not halve the weight
+    reads, and halving a large prefill doubles them."""
 
     attn_token: float = 1.0
     attn_context: float = 0.01
@@ -41,6 +44,14 @@ class CostModel:
     attn_call: float = 40.0
     ffn_call: float = 60.0
     transfer: float = 50.0
+    ffn_expert: float = 0.0
+    num_experts: int = 0  # the model's routing shape (set by the runner); 0: no per-expert term
+    top_k: int = 0
+
+    def experts_touched(self, num_tokens: int) -> float:
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** num_tokens)
 
     def attention_cost(self, spans) -> float:
         return self.attn_call + sum(
@@ -48,7 +59,7 @@ class CostModel:
         )
 
     def ffn_cost(self, num_tokens: int) -> float:
-        return self.ffn_call + self.ffn_token * num_tokens
+        return self.ffn_call + self.ffn_token * num_tokens + self.ffn_expert * self.experts_touched(num_tokens)
 
     def token_cost(self, position: int) -> float:
         return self.attn_token + self.attn_context * (position + 1) + self.ffn_token

@@ -90,12 +90,12 @@ def test_cost_model_fit_feeds_the_planner(checkpoints):
     PipelineConfig("async", 2, "token", cost=cost)
     plan = plan_microbatches([(0, 300)], 2, "token", CostModel(*cost))
     assert plan.num_microbatches == 2
-    with pytest.raises(ValueError, match="cost must be 3 or 6"):
+    with pytest.raises(ValueError, match="cost must be 3, 6 or 7"):
         PipelineConfig("async", 2, "token", cost=(1.0, -1.0, 1.0))
     with pytest.raises(ValueError, match="needs all six costs"):  # per-token seconds with relative fixed costs: nonsense
         PipelineConfig("async", 2, "token", cost=cost, adaptive=True)
-    full = cost + (max(0.0, coef["attn_call"]), max(0.0, coef["ffn_call"]), 1e-4)
-    assert PipelineConfig("async", 4, "token", cost=full, adaptive=True).adaptive
+    full = cost + (coef["attn_call"], coef["ffn_call"], 1e-4, coef["ffn_expert"])
+    assert min(full) >= 0 and PipelineConfig("async", 4, "token", cost=full, adaptive=True).adaptive
 
 
 def test_small_steps_keep_fewer_microbatches_and_say_why():
@@ -138,6 +138,23 @@ def test_simulated_time_is_bounded_by_the_work(chunks, m, layers, costs):
     assert t <= layers * sum(x + y + 2 * cost.transfer for x, y in zip(a, f)) + 1e-9
     if plan.num_microbatches == 1:
         assert t == pytest.approx(layers * (a[0] + f[0] + 2 * cost.transfer))
+
+
+def test_expert_reads_grow_with_tokens_and_saturate():
+    """n tokens choosing k of E experts touch E(1 - (1 - k/E)^n) in expectation: k for one token, never
+    more than E; splitting 8 decode tokens in two reads far fewer than twice the experts, splitting a
+    512-token prefill reads them twice."""
+    c = CostModel(num_experts=64, top_k=6)
+    assert c.experts_touched(1) == pytest.approx(6) and c.experts_touched(10_000) == pytest.approx(64)
+    assert all(c.experts_touched(n) < c.experts_touched(n + 1) <= 64 for n in range(1, 200))
+    assert 2 * c.experts_touched(4) < 1.3 * c.experts_touched(8)
+    assert 2 * c.experts_touched(256) == pytest.approx(2 * c.experts_touched(512), rel=1e-6)
+    import random
+
+    rng = random.Random(0)  # against counting: uniform routing, 2000 draws
+    for n in (1, 4, 16):
+        seen = [len({e for _ in range(n) for e in rng.sample(range(64), 6)}) for _ in range(2000)]
+        assert sum(seen) / len(seen) == pytest.approx(c.experts_touched(n), rel=0.03)
 
 
 def test_choice_follows_the_costs():
