@@ -208,11 +208,13 @@ class Frontend:
         self._load[replica] += stream.load
         if self.metrics is not None:
             self.metrics.request_started(len(prompt_ids))
+        outcome = "abort"  # unless it finishes, is rejected, or the engine fails
         try:
             self.replicas.send(replica, ("add", rid, list(prompt_ids), params))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    outcome = "rejected" if isinstance(item, RequestRejected) else "error"
                     raise item
                 yield item
                 if item.finish_reason is not None:
@@ -222,13 +224,13 @@ class Frontend:
             self._streams.pop(rid, None)
             self._load[replica] -= stream.load
             if not stream.finished:
-                if self.failure is None:
+                if self.failure is None and outcome != "rejected":
                     try:
                         self.replicas.send(replica, ("abort", rid))
                     except OSError:
                         pass
                 if self.metrics is not None:
-                    self.metrics.request_finished("abort" if self.failure is None else "error", stream)
+                    self.metrics.request_finished(outcome, stream)
 
     # ------------------------------------------------------------------ events
     def _pump_events(self) -> None:

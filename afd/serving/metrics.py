@@ -15,7 +15,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("afd_requests", "Requests ended, by finish reason (stop, length, abort, error)", ["finish_reason"], registry=r)
+        self.requests = Counter("afd_requests", "Requests ended, by finish reason (stop, length; abort: client gone or shutdown deadline; rejected; error)", ["finish_reason"], registry=r)
         self.http_errors = Counter("afd_http_errors", "Requests answered with an error status", ["status"], registry=r)
         self.prompt_tokens = Counter("afd_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("afd_generation_tokens", "Tokens generated", registry=r)

@@ -164,3 +164,55 @@ def test_adaptive_microbatching_chooses_per_step_and_keeps_parity(reference):
     ref, gaps = support.greedy_with_gaps(model, tok.encode(prompt), 6)
     report = compare_greedy(ref, out.token_ids, gaps)
     assert report.ok, report
+
+
+def _rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def test_backpressure_bounds_in_flight_and_memory(reference, monkeypatch):
+    """A slowed FFN rank (15 ms per batch) under a long run with m=4, credits=2: in-flight never exceeds
+    the credits, neither rank's memory grows with the run's length (sampled while it runs), and the
+    outputs equal the monolithic model's."""
+    import threading
+    import time
+
+    model, _, _ = reference
+    monkeypatch.setenv("AFD_FFN_DELAY_MS", "15")
+    pipeline = PipelineConfig("async", 4, "token", credits=2)
+    tok = Tokenizer(BUILTIN_MODEL)
+    prompts = ["ROMEO:\n" + "Good morrow, cousin. " * 8, "KING.\nWhat say you", "Enter a Messenger.\n\n"]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with Cluster(BUILTIN_MODEL, topology(1, 1, transport="shm"), ENGINE, pipeline=pipeline) as cluster:
+        pids = [r.proc.pid for r in cluster.ranks]
+        cluster.generate(prompts, params, pipeline)  # warm-up: allocator pools, caches
+        samples: list[list[float]] = []
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                samples.append([_rss_mb(p) for p in pids])
+                time.sleep(0.1)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        cluster.request(0, ("trace", True), "trace")
+        outs = [cluster.generate(prompts, params, pipeline) for _ in range(3)]
+        events, _ = cluster.request(0, ("get_trace", None), "get_trace")
+        done.set()
+        sampler.join()
+    assert max(e.in_flight for e in events) <= 2
+    assert len(samples) > 20
+    third = len(samples) // 3
+    for rank in range(len(pids)):
+        early = max(s[rank] for s in samples[:third])
+        late = max(s[rank] for s in samples[-third:])
+        print(f"rank pid {pids[rank]}: peak RSS {early:.1f} MB in the first third of the run, {late:.1f} MB in the last")
+        assert late - early < 16, f"rank pid {pids[rank]}: RSS {early:.1f} MB early, {late:.1f} MB late in the run"
+    for round_outs in outs:
+        for prompt, out in zip(prompts, round_outs):
+            ref, gaps = support.greedy_with_gaps(model, tok.encode(prompt), 40)
+            assert compare_greedy(ref, out.token_ids, gaps).ok, prompt
