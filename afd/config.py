@@ -231,6 +231,8 @@ class PipelineConfig:
     credits           max dispatches in flight per attention rank (default: num_microbatches)
     cost              planner cost model (attn_token, attn_context, ffn_token[, attn_call, ffn_call,
                       transfer[, ffn_expert]]), e.g. fitted by ``afd bench costs``; None: the defaults
+    ffn_curve         measured (tokens, FFN cost) points that replace the parametric FFN cost when
+                      choosing m (``afd bench costs`` measures them on the step's real shapes)
     min_microbatch_tokens  a step with fewer than m x this many tokens runs fewer micro-batches
                       (1: always m when possible)
     """
@@ -242,6 +244,7 @@ class PipelineConfig:
     cost: tuple[float, ...] | None = None
     min_microbatch_tokens: int = 1
     adaptive: bool = False
+    ffn_curve: tuple[tuple[int, float], ...] | None = None  # measured FFN cost per token count (afd bench costs)
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):

@@ -91,7 +91,8 @@ class DisaggregatedRunner:
         spans = [(c.start, c.length) for c in chunks]
         if self.pipeline.adaptive and self.pipeline.mode == "async":
             moe = self.model.config.moe
-            cost = replace(cost, num_experts=moe.num_experts, top_k=moe.top_k)  # for the expert-read term
+            cost = replace(cost, num_experts=moe.num_experts, top_k=moe.top_k,  # the expert-read term
+                           ffn_curve=self.pipeline.ffn_curve or cost.ffn_curve)
             plan = choose_plan(spans, self.pipeline.num_microbatches, self.model.config.num_layers, self.pipeline.split, cost,
                                self.pipeline.credits)
             if self.trace is not None:

@@ -1,7 +1,8 @@
 """``afd bench costs``: fit the micro-batch planner's cost model on a model, on this machine.
 
-Times the halves of one MoE layer on synthetic chunks and fits, by least
-squares,
+Times the halves of one MoE layer on the shapes steps have (batches of
+sequences, decode and prefill; the FFN half fed the attention half's output),
+records the FFN time per token count as a curve, and fits, by least squares,
 
     attention(n tokens after c cached) ~ attn_call + attn_token * n + attn_context * sum_{p=c}^{c+n-1} (p + 1)
     ffn(n tokens)                      ~ ffn_call + ffn_token * n + ffn_expert * E * (1 - (1 - k/E)^n)
@@ -44,7 +45,7 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def fit(model, repeats: int = 5, threads: int | None = 1) -> dict[str, float]:
+def fit(model, repeats: int = 5, threads: int | None = 1) -> dict:
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -55,7 +56,9 @@ def fit(model, repeats: int = 5, threads: int | None = 1) -> dict[str, float]:
 
 
 @torch.inference_mode()
-def _fit(model, repeats: int) -> dict[str, float]:
+def _fit(model, repeats: int) -> dict:
+    """Time one MoE layer's halves on the shapes steps have: S sequences x n new tokens after c cached
+    (decode and prefill batches), the FFN fed the attention half's real output."""
     from afd.config import CacheConfig
     from afd.kvcache import BlockManager, PagedKVCache, SeqChunk, build_attention_metadata
 
@@ -63,31 +66,39 @@ def _fit(model, repeats: int) -> dict[str, float]:
     layer = cfg.moe.layers[0]
     dtype = model.model.embed_tokens.weight.dtype
     block = 16
-    shapes = [(n, c) for n in (16, 64, 256) for c in (0, 256, 768)]
-    need = max(n + c for n, c in shapes)
-    blocks = BlockManager(need // block + 2, block)
-    table = blocks.ensure(0, need)
-    cache = PagedKVCache(CacheConfig(block, need // block + 2), 1, model.kv_layout(), dtype)
+    shapes = [(1, 1, 128), (8, 1, 128), (8, 1, 512), (1, 64, 0), (1, 256, 256), (4, 128, 0), (8, 128, 0), (1, 512, 0)]
+    longest = max(n + c for _, n, c in shapes)
+    num_seqs = max(s for s, _, _ in shapes)
+    blocks = BlockManager(num_seqs * (longest // block + 1), block)
+    cache = PagedKVCache(CacheConfig(block, blocks.num_blocks), 1, model.kv_layout(), dtype)
+    tables = [blocks.ensure(s, longest) for s in range(num_seqs)]
+    gen = torch.Generator().manual_seed(0)
+
+    def batch(seqs: int, n: int, c: int):
+        meta = build_attention_metadata([SeqChunk(tables[s], c, n) for s in range(seqs)], block)
+        return meta, torch.randn(seqs * n, cfg.hidden_size, generator=gen).to(dtype)
+
     rows, t_attn = [], []
-    for n, c in shapes:
-        meta = build_attention_metadata([SeqChunk(table, c, n)], block)
-        x = torch.randn(n, cfg.hidden_size).to(dtype)
+    for seqs, n, c in shapes:
+        meta, x = batch(seqs, n, c)
         t_attn.append(_median_time(lambda: model.attention(layer, x, meta, cache.layer(0)), repeats))
-        rows.append([1.0, n, n * c + n * (n + 1) / 2])  # a per-call constant, so overhead is not taken for per-token cost
+        rows.append([1.0, seqs * n, seqs * (n * c + n * (n + 1) / 2)])  # a per-call constant, so overhead is not per-token cost
     a = torch.tensor(rows, dtype=torch.float64)
     coef = torch.linalg.lstsq(a, torch.tensor(t_attn, dtype=torch.float64).unsqueeze(1)).solution.flatten()
     e, k = cfg.moe.num_experts, cfg.moe.top_k
-    t_ffn, ns = [], (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-    for n in ns:
-        x = torch.randn(n, cfg.hidden_size).to(dtype)
-        t_ffn.append(_median_time(lambda: model.ffn(layer, x), repeats))
+    curve, ns = [], (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+    for n in ns:  # decode batches (n sequences x 1) up to 8, then 8 sequences x n/8
+        meta, x = batch(n, 1, 128) if n <= 8 else batch(8, n // 8, 0)
+        ffn_input = model.attention(layer, x, meta, cache.layer(0)).ffn_input
+        curve.append((n, _median_time(lambda: model.ffn(layer, ffn_input), repeats)))
     touched = [e * (1 - (1 - k / e) ** n) for n in ns]
     f = torch.linalg.lstsq(torch.tensor([[1.0, n, t] for n, t in zip(ns, touched)], dtype=torch.float64),
-                           torch.tensor(t_ffn, dtype=torch.float64).unsqueeze(1)).solution.flatten()
+                           torch.tensor([t for _, t in curve], dtype=torch.float64).unsqueeze(1)).solution.flatten()
     # the per-call and per-expert terms do not move the planner's cut (every micro-batch pays them once);
-    # they decide how many micro-batches a step is worth (--num-microbatches auto)
+    # they, or the measured curve, decide how many micro-batches a step is worth (--num-microbatches auto)
     return {"attn_token": max(float(coef[1]), 0.0), "attn_context": max(float(coef[2]), 0.0), "ffn_token": max(float(f[1]), 1e-12),
-            "attn_call": max(float(coef[0]), 0.0), "ffn_call": max(float(f[0]), 0.0), "ffn_expert": max(float(f[2]), 0.0)}
+            "attn_call": max(float(coef[0]), 0.0), "ffn_call": max(float(f[0]), 0.0), "ffn_expert": max(float(f[2]), 0.0),
+            "ffn_curve": [[n, t] for n, t in curve]}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"ffn_token     {1e6 * coef['ffn_token']:.2f} us/token")
     print(f"per call      attention {1e3 * coef['attn_call']:.2f} ms, FFN {1e3 * coef['ffn_call']:.2f} ms")
     print(f"ffn_expert    {1e6 * coef['ffn_expert']:.1f} us per distinct routed expert touched")
+    print("ffn measured  " + ", ".join(f"{n}: {1e3 * t:.1f}" for n, t in coef["ffn_curve"]) + " (tokens: ms; used by auto)")
     print(f"summary: {model_dir}: one MoE layer, ffn/attention per-token cost ratio {ratio:.2f}; use with --cost-model")
     if args.json_out:
         with open(args.json_out, "w") as f:

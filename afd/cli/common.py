@@ -129,8 +129,9 @@ def pipeline_from_args(args: argparse.Namespace):
         cost = tuple(max(0.0, float(c[k])) for k in keys)
     adaptive = isinstance(args.num_microbatches, tuple)
     m = args.num_microbatches[1] if adaptive else args.num_microbatches
+    curve = tuple((int(n), float(t)) for n, t in c["ffn_curve"]) if cost and c.get("ffn_curve") else None
     return PipelineConfig(mode=args.mode, num_microbatches=m, split=args.split, cost=cost,
-                          min_microbatch_tokens=args.min_microbatch_tokens, adaptive=adaptive)
+                          min_microbatch_tokens=args.min_microbatch_tokens, adaptive=adaptive, ffn_curve=curve)
 
 
 def print_table(rows: list[tuple[str, ...]] | list[list[str]]) -> None:

@@ -47,6 +47,12 @@ class CostModel:
     ffn_expert: float = 0.0
     num_experts: int = 0  # the model's routing shape (set by the runner); 0: no per-expert term
     top_k: int = 0
+    ffn_curve: tuple[tuple[int, float], ...] = ()  # measured (tokens, cost) points; when given, the FFN cost
+
+    def __post_init__(self) -> None:
+        ns = [n for n, _ in self.ffn_curve]
+        if ns and (ns != sorted(set(ns)) or ns[0] < 1 or min(c for _, c in self.ffn_curve) < 0):
+            raise ValueError(f"ffn_curve must be (tokens >= 1, cost >= 0) points with increasing tokens, got {self.ffn_curve}")
 
     def experts_touched(self, num_tokens: int) -> float:
         if not self.num_experts:
@@ -59,6 +65,16 @@ class CostModel:
         )
 
     def ffn_cost(self, num_tokens: int) -> float:
+        """Per micro-batch and layer. With a measured ``ffn_curve``: linear between its points (and along
+        its last segment beyond it) -- whatever the shape, e.g. superlinear where a parametric fit is not."""
+        curve = self.ffn_curve
+        if curve:
+            if num_tokens <= curve[0][0] or len(curve) == 1:
+                return curve[0][1]
+            for (n0, c0), (n1, c1) in zip(curve, curve[1:]):
+                if num_tokens <= n1:
+                    break
+            return max(0.0, c0 + (c1 - c0) * (num_tokens - n0) / (n1 - n0))
         return self.ffn_call + self.ffn_token * num_tokens + self.ffn_expert * self.experts_touched(num_tokens)
 
     def token_cost(self, position: int) -> float:

@@ -96,6 +96,10 @@ def test_cost_model_fit_feeds_the_planner(checkpoints):
         PipelineConfig("async", 2, "token", cost=cost, adaptive=True)
     full = cost + (coef["attn_call"], coef["ffn_call"], 1e-4, coef["ffn_expert"])
     assert min(full) >= 0 and PipelineConfig("async", 4, "token", cost=full, adaptive=True).adaptive
+    curve = tuple((n, t) for n, t in coef["ffn_curve"])
+    assert [n for n, _ in curve] == sorted({n for n, _ in curve}) and all(t > 0 for _, t in curve)
+    measured = CostModel(*full, ffn_curve=curve)
+    assert measured.ffn_cost(curve[3][0]) == pytest.approx(curve[3][1])  # the curve, not the parametric fit
 
 
 def test_small_steps_keep_fewer_microbatches_and_say_why():
@@ -155,6 +159,17 @@ def test_expert_reads_grow_with_tokens_and_saturate():
     for n in (1, 4, 16):
         seen = [len({e for _ in range(n) for e in rng.sample(range(64), 6)}) for _ in range(2000)]
         assert sum(seen) / len(seen) == pytest.approx(c.experts_touched(n), rel=0.03)
+
+
+def test_measured_ffn_curve_interpolates_and_decides():
+    curve = ((1, 10.0), (8, 12.0), (512, 100.0), (1024, 400.0))  # superlinear at the top, as measured on V2-Lite
+    c = CostModel(attn_token=0.05, attn_context=0, ffn_token=1, attn_call=5, ffn_call=0, transfer=0.1, ffn_curve=curve)
+    assert c.ffn_cost(1) == 10 and c.ffn_cost(4) == pytest.approx(10 + 2 * 3 / 7) and c.ffn_cost(768) == pytest.approx(250)
+    assert c.ffn_cost(2048) == pytest.approx(400 + 300 * 2)  # along the last segment beyond the curve
+    assert choose_plan([(0, 1024)], 2, 4, "token", c).num_microbatches == 2  # 2 x 100 < 400: split the prefill
+    assert choose_plan([(0, 8)], 2, 4, "token", c).num_microbatches == 1  # 2 x ~11 > 12: keep the decode whole
+    with pytest.raises(ValueError, match="increasing tokens"):
+        CostModel(ffn_curve=((8, 1.0), (4, 2.0)))
 
 
 def test_choice_follows_the_costs():
