@@ -51,11 +51,13 @@ def io_log() -> bool:
 
 
 def fault() -> tuple[str, int] | None:
+    """Tests only (AFD_FAULT=KIND[@N]): a protocol fault in attention rank 0's N-th work message, or
+    ``engine-step``: the serving loop fails at its N-th step (a replica whose engine raises)."""
     value = os.environ.get("AFD_FAULT")
     if not value:
         return None
     kind, _, nth = value.partition("@")
-    kinds = ("corrupt-header", "wrong-layer", "wrong-seq", "truncate")
+    kinds = ("corrupt-header", "wrong-layer", "wrong-seq", "truncate", "engine-step")
     if kind not in kinds:
         raise ValueError(f"AFD_FAULT must be one of {', '.join(kinds)} (optionally @N), got {value!r}")
     return kind, int(nth or 3)

@@ -136,7 +136,7 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
     t = spec.topology
     mailbox = make_mailbox(spec.link, Role.ATTENTION, spec.index, t.num_ffn_ranks, hub)
     fault = env.fault()
-    if fault is not None and spec.index == 0:
+    if fault is not None and spec.index == 0 and fault[0] != "engine-step":
         mailbox.fault = fault
     endpoint = AttentionEndpoint(mailbox, t, spec.placement, spec.link_timeout)
     endpoint.handshake()  # protocol version agreed with every FFN rank before READY

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from afd import env
 from afd.engine.llm_engine import LLMEngine
 
 #: how often the (larger) per-expert counters ride along with the step events
@@ -29,6 +30,8 @@ def serve_requests(engine: LLMEngine, conn, extra_stats: Callable[[], dict] | No
     """Serve until ("stop",). Exceptions propagate: the caller reports them (the replica has failed)."""
     rids: dict[int, int] = {}  # front-end id -> engine request id
     counts_sent = 0.0
+    fault = env.fault()
+    fail_at = fault[1] if fault is not None and fault[0] == "engine-step" else None  # tests: a failing replica
 
     def stats(with_counts: bool = False) -> dict:
         nonlocal counts_sent
@@ -65,6 +68,8 @@ def serve_requests(engine: LLMEngine, conn, extra_stats: Callable[[], dict] | No
             else:
                 raise ValueError(f"serving loop: unknown command {cmd[0]!r}")
         if engine.has_unfinished():
+            if fail_at is not None and engine.num_steps + 1 >= fail_at:
+                raise RuntimeError(f"injected engine fault at step {engine.num_steps + 1} (AFD_FAULT=engine-step@{fail_at})")
             deltas = engine.step_deltas()
             for d in deltas:
                 if d.finish_reason is not None:

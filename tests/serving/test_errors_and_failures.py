@@ -131,6 +131,30 @@ def test_killing_an_ffn_rank_fails_in_flight_requests_and_exits_nonzero():
         s.assert_nothing_left()
 
 
+def test_monolithic_engine_failure_fails_requests_and_exits_nonzero():
+    """The engine thread of a monolithic server raises (injected at its 30th step): the stream in flight
+    gets an error naming it, a request after it gets 503 or no connection, the server exits 1."""
+    s = Server(env={"AFD_FAULT": "engine-step@30"})
+    try:
+        results: list = []
+        t0 = [time.monotonic()]
+        _stream_until_done(s.url, body(max_tokens=200, ignore_eos=True, stream=True), results, t0)
+        (outcome, after), = results
+        assert outcome.startswith("error") and "injected engine fault at step 30" in outcome, outcome
+        assert after < 10
+        try:
+            r = httpx.post(s.url + "/v1/completions", json=body(), timeout=5)
+            assert r.status_code == 503 and "has failed" in r.json()["error"]["message"]
+        except httpx.ConnectError:
+            pass  # already gone
+        s.proc.wait(30)
+        assert s.proc.returncode == 1
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+        s.assert_nothing_left()
+
+
 def test_sigterm_finishes_short_requests_aborts_long_ones_and_leaves_nothing():
     # a slowed FFN side (20 ms per batch, >= 60 ms per step) makes 1000 tokens take a minute whatever the
     # machine, while 8 tokens still finish well within the 3 s deadline
