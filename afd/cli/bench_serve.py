@@ -136,11 +136,12 @@ class _Served:
         cmd = [sys.executable, "-m", "afd.cli.main", "serve", str(model_dir), "--port", "0", *flags]
         with open(log_path, "w") as log:  # the server's stderr, shown if it fails to start
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        from afd.serving.server import parse_listening_line
+
         self.url = None
         for line in self.proc.stdout:
-            if " on http://" in line:
-                self.url = line.split(" on ", 1)[1].split()[0]
-                self.model = line.split(": ", 1)[1].split(" on ")[0]
+            if (listening := parse_listening_line(line)) is not None:
+                self.model, self.url = listening
                 break
         if self.url is None:
             self.proc.wait(10)

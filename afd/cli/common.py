@@ -82,7 +82,7 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
 
 def _microbatches(text: str):
     """'2' -> 2; 'auto' -> ('auto', 4); 'auto:8' -> ('auto', 8)."""
-    if text.startswith("auto"):
+    if text == "auto" or text.startswith("auto:"):
         most = text.partition(":")[2]
         try:
             return ("auto", int(most) if most else 4)

@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"afd: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. a port already in use
+        print(f"afd: error: {e}", file=sys.stderr)
+        return 1
     except RuntimeError as e:  # a rank failed, a link broke: the message names the rank
         print(f"afd: error: {e}", file=sys.stderr)
         return 1

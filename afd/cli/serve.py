@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 from afd.cli.common import add_engine_args, add_topology_args, pipeline_from_args, resolve_model, topology_from_args
@@ -27,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from afd.engine.tokenizer import Tokenizer
     from afd.models import load_model_config
-    from afd.serving.frontend import ClusterReplicas, Frontend, LocalReplicas
+    from afd.serving.frontend import Frontend
     from afd.serving.metrics import Metrics
     from afd.serving.server import ServerState, run_server
 
@@ -35,35 +36,60 @@ def run(args: argparse.Namespace) -> int:
     config = load_model_config(model_dir)
     tokenizer = Tokenizer(model_dir)  # the server tokenizes; a model without tokenizer.json cannot be served
     topology = topology_from_args(args, config.moe.num_experts)
+    if args.nnodes > 1 and args.node_rank > 0:
+        return _serve_ffn_node(args, model_dir, topology)
+    # bind before loading anything or starting a rank: a busy port fails at once, leaving nothing behind
+    with socket.create_server((args.host, args.port)) as sock:
+        replicas = _replicas(args, model_dir, topology)
+        try:
+            metrics = Metrics()
+            frontend = Frontend(replicas, metrics)
+            metrics.bind(frontend)
+            state = ServerState(frontend, metrics, tokenizer, args.served_model_name or model_dir.name, config.max_position_embeddings)
+        except BaseException:
+            replicas.close(timeout=10)
+            raise
+        return run_server(state, sock, args.shutdown_timeout)  # stops the replicas (and ranks) before it returns
+
+
+def _replicas(args: argparse.Namespace, model_dir, topology):
+    from afd.serving.frontend import ClusterReplicas, LocalReplicas
+
     if topology is None:
         from afd.engine.llm_engine import LLMEngine
 
         engine = LLMEngine.from_pretrained(model_dir, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
         log.info("monolithic: %s, %s", model_dir, engine.config.cache)
-        replicas = LocalReplicas(engine)
-    else:
-        from afd import env
-        from afd.engine.launcher import Cluster
-        from afd.engine.ranks import EngineArgs
+        return LocalReplicas(engine)
+    cluster = _cluster(args, model_dir, topology)
+    cluster.start()
+    return ClusterReplicas(cluster, cluster.pipeline)
 
-        engine_args = EngineArgs(args.dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_num_batched_tokens)
-        cluster = Cluster(model_dir, topology, engine_args, io_log=env.io_log(), pipeline=pipeline_from_args(args), nnodes=args.nnodes,
-                          node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
-        log.info("disaggregated: %s, %s, %s", model_dir, topology, pipeline_from_args(args))
-        print(f"afd serve: starting {topology.num_attention_ranks} attention + {topology.num_ffn_ranks} FFN ranks ...", file=sys.stderr, flush=True)
+
+def _cluster(args: argparse.Namespace, model_dir, topology):
+    from afd import env
+    from afd.engine.launcher import Cluster
+    from afd.engine.ranks import EngineArgs
+
+    engine_args = EngineArgs(args.dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_num_batched_tokens)
+    pipeline = pipeline_from_args(args)
+    log.info("disaggregated: %s, %s, %s", model_dir, topology, pipeline)
+    print(f"afd serve: starting {topology.num_attention_ranks} attention + {topology.num_ffn_ranks} FFN ranks ...", file=sys.stderr, flush=True)
+    return Cluster(model_dir, topology, engine_args, io_log=env.io_log(), pipeline=pipeline, nnodes=args.nnodes,
+                   node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
+
+
+def _serve_ffn_node(args: argparse.Namespace, model_dir, topology) -> int:
+    """The FFN node of a multi-node run: no HTTP here; its FFN ranks serve node 0's attention ranks."""
+    if topology is None:
+        raise ValueError("--nnodes 2 needs topology flags (and --transport torch)")
+    cluster = _cluster(args, model_dir, topology)
+    try:
         cluster.start()
-        if not cluster.attention_ranks():  # the FFN node of a multi-node run: no HTTP here, serve node 0's ranks
-            print(f"afd serve: node {args.node_rank}: FFN ranks serving node 0's attention ranks", flush=True)
-            try:
-                cluster.wait_until_done()
-            finally:
-                cluster.shutdown()
-            print(f"afd serve: node {args.node_rank}: the run ended", flush=True)
-            return 0
-        replicas = ClusterReplicas(cluster, pipeline_from_args(args))
-    metrics = Metrics()
-    frontend = Frontend(replicas, metrics)
-    metrics.bind(frontend)
-    state = ServerState(frontend, metrics, tokenizer, args.served_model_name or model_dir.name, config.max_position_embeddings)
-    return run_server(state, args.host, args.port, args.shutdown_timeout)
+        print(f"afd serve: node {args.node_rank}: FFN ranks serving node 0's attention ranks", flush=True)
+        cluster.wait_until_done()
+    finally:
+        cluster.shutdown()
+    print(f"afd serve: node {args.node_rank}: the run ended", flush=True)
+    return 0

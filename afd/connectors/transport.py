@@ -67,27 +67,28 @@ class Mailbox(ABC):
         self.link_timeout: float | None = None
 
     # ------------------------------------------------------------------ liveness
-    def start_heartbeats(self, interval: float, link_timeout: float, only_when=None) -> None:
+    def start_heartbeats(self, interval: float, link_timeout: float, only_to=None) -> None:
         """Send a HEARTBEAT on every link that carried nothing for ``interval`` s, and treat a peer silent
         for ``link_timeout`` s as gone. ``interval`` 0 disables heartbeats (silence is still detected).
-        ``only_when()``: beat only while it is true (an FFN rank beats while it computes, so that an idle
-        attention rank's receive ring never fills with heartbeats nobody reads)."""
+        ``only_to(peer)``: beat to a peer only while it is true. An FFN rank beats only to the attention
+        ranks it owes results: those wait on their links and read them, while an idle attention rank
+        reads nothing, and beats to it would fill its receive ring and block the sender."""
         if interval and interval >= link_timeout:
             raise ValueError(f"heartbeat interval {interval} s must be below the link timeout {link_timeout} s")
         self.link_timeout = link_timeout
         now = time.monotonic()
         self._last_seen = {p: now for p in range(self.num_peers)}
         if interval:
-            self._heartbeat = threading.Thread(target=self._beat, args=(interval, only_when), name=f"{self.name} heartbeat", daemon=True)
+            self._heartbeat = threading.Thread(target=self._beat, args=(interval, only_to), name=f"{self.name} heartbeat", daemon=True)
             self._heartbeat.start()
 
-    def _beat(self, interval: float, only_when) -> None:
+    def _beat(self, interval: float, only_to) -> None:
         while not self._stop.wait(interval / 2):
-            if only_when is not None and not only_when():
-                continue
             now = time.monotonic()
             for peer in range(self.num_peers):
                 if peer in self._silent_ok or now - self._last_sent.get(peer, 0.0) < interval:
+                    continue
+                if only_to is not None and not only_to(peer):
                     continue
                 try:
                     self.send(peer, Message(Header(Kind.HEARTBEAT, self.role, self.index, peer)))

@@ -315,6 +315,11 @@ class Cluster:
                 if r is target and msg[0] == reply:
                     return msg[1]
 
+    @property
+    def closed(self) -> bool:
+        """Shut down (by :meth:`shutdown`, or after a failure stopped every rank)."""
+        return self._closed
+
     def pids(self) -> list[int]:
         return [r.proc.pid for r in self.ranks if getattr(r.proc, "pid", None)]
 

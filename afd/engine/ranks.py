@@ -221,8 +221,8 @@ def _ffn_main(spec: RankSpec, conn, hub) -> None:
         worker.delay = env.ffn_delay()
         # live counters for a server's /metrics: at most once a second, and only when they changed
         # (an idle run sends nothing, so nothing piles up in a pipe nobody reads)
-        worker.on_tick = lambda: conn.send(("ffn_stats", worker.live_stats(model)))
-        mailbox.start_heartbeats(spec.link.heartbeat_interval, spec.link.link_timeout, only_when=lambda: worker.computing)
+        worker.on_tick = lambda: conn.send(("ffn_stats", worker.live_stats()))
+        mailbox.start_heartbeats(spec.link.heartbeat_interval, spec.link.link_timeout, only_to=worker.owes)
         worker.serve()
         conn.send(("bye", worker.stats()))
     finally:

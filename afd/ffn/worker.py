@@ -42,7 +42,7 @@ class FFNWorker:
         self.max_drain = 64
         self.delay = 0.0  # seconds slept per batch: a slow FFN side, for tests and benchmarks
         self.busy_s = 0.0  # time spent computing
-        self.computing = False  # heartbeats go out only while computing
+        self.owed: dict[int, int] = {}  # attention rank -> work items received, results not yet sent
         self.spans: deque = deque(maxlen=200_000)  # (start, end, layer, ((attention rank, mb, seq), ...), rows)
         self._last: dict[int, tuple[int, int, int]] = {}  # attention rank -> last (seq, layer, micro-batch)
         self.on_tick = None  # called with no arguments when counters changed, at most every tick_interval s
@@ -117,9 +117,8 @@ class FFNWorker:
             work = []
             for msg in batch:
                 h = msg.header
-                if h.kind == Kind.SHUTDOWN:
+                if h.kind == Kind.SHUTDOWN:  # the mailbox stopped listening to it as it read this
                     open_ranks.discard(h.src_index)
-                    self.mailbox.forget(h.src_index)
                 elif h.kind == Kind.HEARTBEAT:
                     continue
                 elif h.kind == Kind.HELLO:  # the version was checked when the header was read
@@ -130,10 +129,15 @@ class FFNWorker:
                             raise ProtocolError(f"{self.mailbox.name}: unexpected {h.kind.name} from {h.source}")
                         self._check(h)
                         work.append(parse_work(msg, self.mailbox.name))
+                        self.owed[h.src_index] = self.owed.get(h.src_index, 0) + 1
                     except ProtocolError as e:
                         self._report(h.src_index, str(e))
                         raise
             self._serve_batch(work)
+
+    def owes(self, attention_rank: int) -> bool:
+        """Whether results are still owed to this attention rank (it waits, so it reads its link)."""
+        return self.owed.get(attention_rank, 0) > 0
 
     def _tick(self) -> None:
         """Call ``on_tick`` (live counters) at most every ``tick_interval`` s, and only after new work."""
@@ -144,10 +148,10 @@ class FFNWorker:
             self._ticked_at, self._ticked_batches = now, self.batches
             self.on_tick()
 
-    def live_stats(self, model) -> dict:
+    def live_stats(self) -> dict:
         """The counters a server exports (no spans): work served, busy time, per-expert tokens."""
         return {"items": self.items_served, "tokens": self.tokens_served, "batches": self.batches,
-                "mean_gemm_rows": self.mean_gemm_rows, "busy_s": self.busy_s, "expert_tokens": model.expert_token_counts()}
+                "mean_gemm_rows": self.mean_gemm_rows, "busy_s": self.busy_s, "expert_tokens": self.model.expert_token_counts()}
 
     def _serve_batch(self, work: list) -> None:
         groups: dict[tuple[int, int], list] = {}
@@ -159,22 +163,19 @@ class FFNWorker:
             if items[0].routing is not None:
                 routing = Routing(torch.cat([it.routing.topk_ids for it in items]), torch.cat([it.routing.topk_weights for it in items]))
             t0 = time.perf_counter()
-            self.computing = True
-            try:
-                out = self.compute(layer, Op(ops), hidden, routing).to(hidden.dtype)
-                if self.delay:  # an injected slow FFN side counts as compute time
-                    time.sleep(self.delay)
-                t1 = time.perf_counter()
-                self.busy_s += t1 - t0
-                self.spans.append((t0, t1, layer, tuple((it.header.src_index, it.header.microbatch, it.header.seq) for it in items), int(hidden.shape[0])))
-            finally:
-                self.computing = False
+            out = self.compute(layer, Op(ops), hidden, routing).to(hidden.dtype)
+            if self.delay:  # an injected slow FFN side counts as compute time
+                time.sleep(self.delay)
+            t1 = time.perf_counter()
+            self.busy_s += t1 - t0
+            self.spans.append((t0, t1, layer, tuple((it.header.src_index, it.header.microbatch, it.header.seq) for it in items), int(hidden.shape[0])))
             self.batches += 1
             start = 0
             for it in items:
                 n = it.hidden.shape[0]
                 h = it.header
                 self.mailbox.send(h.src_index, result_message(h, self.mailbox.index, out[start : start + n]))
+                self.owed[h.src_index] -= 1
                 start += n
                 self.items_served += 1
                 self.tokens_served += n

@@ -140,12 +140,12 @@ class GroupedExperts(nn.Module):
             order = torch.argsort(local.masked_fill(~held, len(self.expert_ids)), stable=True)
             order = order[: int(held.sum())]  # (token, slot) rows sorted by local expert
             counts = torch.bincount(local[order], minlength=len(self.expert_ids)).tolist()
-            self.tokens_routed = [a + b for a, b in zip(self.tokens_routed, counts)]
             weights = topk_weights.flatten()
             start = 0
             for e, n in enumerate(counts):
                 if n == 0:
                     continue
+                self.tokens_routed[e] += n
                 rows = order[start : start + n]
                 start += n
                 xe = x[rows // k]  # [n, H]

@@ -130,7 +130,7 @@ class ClusterReplicas:
 
     def close(self, timeout: float) -> None:
         """Stop serving on every attention rank, then stop every rank (idempotent after a failure)."""
-        if not self.cluster._closed:
+        if not self.cluster.closed:
             try:
                 for i in range(self.num):
                     self.send(i, ("stop",))
@@ -218,7 +218,6 @@ class Frontend:
                     raise item
                 yield item
                 if item.finish_reason is not None:
-                    stream.finished = True
                     return
         finally:
             self._streams.pop(rid, None)
@@ -273,6 +272,8 @@ class Frontend:
             stream.last_token_at = now
             if item.finish_reason is not None:
                 self.metrics.request_finished(item.finish_reason, stream)
+        if isinstance(item, TokenDelta) and item.finish_reason is not None:
+            stream.finished = True  # counted here: a consumer cancelled before reading it must not count it again
         stream.queue.put_nowait(item)
 
     def abort_all(self, reason: str) -> None:

@@ -3,6 +3,8 @@ counters read from the replicas' latest reports at scrape time."""
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -15,7 +17,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("afd_requests", "Requests ended, by finish reason (stop, length; abort: client gone or shutdown deadline; rejected; error)", ["finish_reason"], registry=r)
+        self.requests = Counter("afd_requests", "Requests ended, by finish reason (stop, length; abort: client gone; rejected; error: a rank failed or the shutdown deadline)", ["finish_reason"], registry=r)
         self.http_errors = Counter("afd_http_errors", "Requests answered with an error status", ["status"], registry=r)
         self.prompt_tokens = Counter("afd_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("afd_generation_tokens", "Tokens generated", registry=r)
@@ -23,11 +25,9 @@ class Metrics:
         self.itl = Histogram("afd_inter_token_latency_seconds", "Time between a request's tokens", buckets=LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("afd_request_latency_seconds", "Request latency, end to end", buckets=LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("afd_requests_in_flight", "Requests the front end is serving", registry=r)
-        self._frontend = None
 
     def bind(self, frontend) -> None:
         """Export the replicas' and ranks' counters, read from ``frontend`` at each scrape."""
-        self._frontend = frontend
         self.registry.register(_EngineCollector(frontend))
 
     # called by the front end (asyncio thread)
@@ -43,8 +43,6 @@ class Metrics:
             self.itl.observe(now - stream.last_token_at)
 
     def request_finished(self, reason: str, stream) -> None:
-        import time
-
         self.requests.labels(reason).inc()
         self.latency.observe(time.perf_counter() - stream.created)
         self.in_flight.dec()
@@ -86,7 +84,7 @@ class _EngineCollector:
         busy = CounterMetricFamily("afd_busy_seconds", "Time each role spent computing", labels=["role", "rank"])
         for i, s in stats:
             if "busy_s" in s:
-                busy.add_metric(["attention" if ffn or "connector_round_trips" in s else "monolithic", str(i)], s["busy_s"])
+                busy.add_metric(["attention" if "connector_round_trips" in s else "monolithic", str(i)], s["busy_s"])
         for name, s in ffn.items():
             busy.add_metric(["ffn", name.rsplit(" ", 1)[-1]], s["busy_s"])
         yield busy

@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import time
@@ -45,6 +46,17 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+def listening_line(model: str, url: str) -> str:
+    """What the server prints once it listens (launchers, the load generator and tests read it back)."""
+    return f"afd serve: {model} on {url} (pid {os.getpid()})"
+
+
+def parse_listening_line(line: str) -> tuple[str, str] | None:
+    """(model, url) from :func:`listening_line`'s output, else None."""
+    m = re.match(r"afd serve: (.+) on (http://\S+) \(pid \d+\)$", line.strip())
+    return (m.group(1), m.group(2)) if m else None
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -67,13 +79,16 @@ class ServerState:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _chat_prompt(state: ServerState, messages: list[ChatMessage]) -> list[int]:
+@lru_cache(maxsize=4)
+def _compiled(template: str):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    return ImmutableSandboxedEnvironment().from_string(template)
+
+
+def _chat_prompt(state: ServerState, messages: list[ChatMessage]) -> list[int]:
     tok = state.tokenizer
-    template = tok.chat_template or DEFAULT_CHAT_TEMPLATE
-    env = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False)
-    text = env.from_string(template).render(
+    text = _compiled(tok.chat_template or DEFAULT_CHAT_TEMPLATE).render(
         messages=[{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})} for m in messages],
         add_generation_prompt=True, bos_token=tok.bos_token or "", eos_token=tok.eos_token or "",
     )
@@ -95,7 +110,7 @@ def _check_length(state: ServerState, ids: list[int], max_tokens: int | None) ->
         raise APIError(400, "the prompt is empty: give at least one token", param="prompt")
     limit = state.max_model_len
     if max_tokens is None:
-        max_tokens = limit - len(ids)
+        max_tokens = max(1, limit - len(ids))  # a prompt that fills the context leaves room for none: 400 below
     if len(ids) + max_tokens > limit:
         raise APIError(
             400,
@@ -397,8 +412,9 @@ async def _stream(head: dict, fan: _Fanout, state: ServerState, usage: dict, opt
 # ----------------------------------------------------------------------------- running
 
 
-def run_server(state: ServerState, host: str, port: int, shutdown_timeout: float) -> int:
-    """Serve until SIGTERM/SIGINT (exit 0) or a replica failure (exit 1). Prints the bound address."""
+def run_server(state: ServerState, sock: socket.socket, shutdown_timeout: float) -> int:
+    """Serve on the bound ``sock`` until SIGTERM/SIGINT (exit 0) or a replica failure (exit 1). Prints
+    the address once it listens; stops the front end (and every replica and rank) before returning."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -414,15 +430,13 @@ def run_server(state: ServerState, host: str, port: int, shutdown_timeout: float
                                              f"the server is shutting down (in-flight requests get {shutdown_timeout:g} s)")
 
     app = create_app(state)
-    sock = socket.create_server((host, port))
-    bound = sock.getsockname()[1]
+    host, bound = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=max(1, int(shutdown_timeout)),
                             timeout_keep_alive=5, lifespan="off")
     server = _Server(config)
-    stopping = {"signal": None}
 
-    def on_signal(signum, _frame) -> None:  # uvicorn re-raises the signal it caught to this handler
-        stopping["signal"] = signum
+    def on_signal(signum, _frame) -> None:
+        """uvicorn re-raises the signal it caught when it is done: here that means nothing more to do."""
 
     def on_failure(_reason: str) -> None:
         # in-flight requests already got their error; give their responses a moment to go out
@@ -435,9 +449,8 @@ def run_server(state: ServerState, host: str, port: int, shutdown_timeout: float
 
     async def main() -> None:
         state.frontend.start(asyncio.get_running_loop())
-        print(f"afd serve: {state.model_name} on http://{host}:{bound} (pid {os.getpid()})", flush=True)
+        print(listening_line(state.model_name, f"http://{host}:{bound}"), flush=True)
         await server.serve(sockets=[sock])
-        state.frontend.draining = True
 
     try:
         asyncio.run(main())
@@ -446,7 +459,6 @@ def run_server(state: ServerState, host: str, port: int, shutdown_timeout: float
         state.frontend.close(timeout=max(5.0, shutdown_timeout))
         for s, h in previous.items():
             signal.signal(s, h)
-        sock.close()
     if state.frontend.failure is not None:
         print(f"afd serve: exiting after a failure: {state.frontend.failure}", flush=True)
         return 1

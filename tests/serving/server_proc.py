@@ -13,6 +13,7 @@ import uuid
 import httpx
 
 from afd.cli.common import BUILTIN_MODEL
+from afd.serving.server import parse_listening_line
 from tests.support import run_processes
 
 MODEL_NAME = BUILTIN_MODEL.name
@@ -35,8 +36,8 @@ class Server:
                 self.proc.wait(10)
                 raise RuntimeError(f"afd serve exited ({self.proc.returncode}) before listening:\n{''.join(self.stderr)}")
             self.stdout.append(line)
-            if " on http://" in line:
-                self.url = line.split(" on ", 1)[1].split()[0]
+            if (listening := parse_listening_line(line)) is not None:
+                self.url = listening[1]
             if time.monotonic() > deadline:
                 self.proc.kill()
                 raise RuntimeError("afd serve did not start in time")

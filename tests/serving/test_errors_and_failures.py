@@ -43,6 +43,8 @@ BAD = [
     ("token id outside the vocabulary", "/v1/completions", {"json": body(prompt=[1, 2, 10**7])}, 400, "outside the vocabulary"),
     ("empty stop string", "/v1/completions", {"json": body(stop=[""])}, 400, "stop"),
     ("penalties", "/v1/completions", {"json": body(presence_penalty=0.5)}, 400, "not supported"),
+    ("chat prompt filling the context", "/v1/chat/completions",
+     {"json": {"model": MODEL_NAME, "messages": [{"role": "user", "content": "To be or not " * 400}]}}, 400, "maximum context length"),
     ("empty messages", "/v1/chat/completions", {"json": {"model": MODEL_NAME, "messages": []}}, 400, "messages"),
     ("bad role", "/v1/chat/completions", {"json": {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "hi"}]}}, 400, "role"),
     ("chat unknown model", "/v1/chat/completions", {"json": {"model": "x", "messages": [{"role": "user", "content": "hi"}]}}, 404, "does not exist"),
@@ -217,3 +219,22 @@ def test_two_node_serving():
     finally:
         if node1.poll() is None:
             node1.kill()
+
+
+def test_busy_port_fails_at_once_and_starts_nothing():
+    import socket
+    import subprocess
+    import sys
+    import uuid
+
+    from afd.cli.common import BUILTIN_MODEL
+    from tests.support import run_processes
+
+    run_id = uuid.uuid4().hex[:12]
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        res = subprocess.run([sys.executable, "-m", "afd.cli.main", "serve", str(BUILTIN_MODEL), "--port", port, *ONE_A_ONE_F],
+                             capture_output=True, text=True, timeout=60, env={**os.environ, "AFD_RUN_ID": run_id})
+    assert res.returncode == 1 and "afd: error:" in res.stderr and "in use" in res.stderr and "Traceback" not in res.stderr
+    assert "starting" not in res.stderr  # bound before any rank started
+    assert not run_processes(run_id)
