@@ -7,8 +7,7 @@ process starts, with a message that says what is wrong and what is allowed.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
 
 TRANSPORTS = ("loopback", "shm", "torch")
 GATE_PLACEMENTS = ("attention", "ffn")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 COLORS = {"attention": "#4C72B0", "dispatch": "#DD8452", "combine": "#55A868", "ffn": "#C44E52", "degraded": "#8172B3"}
 

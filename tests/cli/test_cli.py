@@ -7,8 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from afd.config import SamplingParams
 from afd.engine.llm_engine import LLMEngine
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from afd.connectors.endpoints import AttentionEndpoint, parse_work, result_message
-from afd.connectors.protocol import Op, Role, TensorName
+from afd.connectors.protocol import Role, TensorName
 from afd.connectors.transport import LoopbackHub, LoopbackMailbox
 from afd.distributed.topology import Topology, parse_devices, validate_topology
 from afd.ffn.worker import FFNWorker
