@@ -223,7 +223,6 @@ def split_parity_failures(model, ref_values, ref_logits, values, logits, check_t
     for (layer, boundary), ref in ref_values.items():
         if boundary == "topk_ids":
             if check_topk and (layer, boundary) in values:
-                scores = None
                 report = compare_topk(f"layer {layer} experts", ref, values[(layer, boundary)], _router_scores(model, ref_values, layer))
                 if not report.ok:
                     failures.append(str(report))

@@ -56,8 +56,6 @@ def test_shm_is_byte_exact_across_processes_and_ring_wraps(tmp_path):
 
 def test_shm_receive_times_out_quietly_when_idle(tmp_path):
     create_links(tmp_path, 1, 1, num_slots=2, slot_bytes=4096)
-    ctx = mp.get_context("spawn")
-    peer = ctx.Process(target=time.sleep, args=(3,))
     # open both ends in this process: an idle link is not a failure
     a_box = {}
 

@@ -3,8 +3,6 @@ overlap, respect credits, and a token split cannot diverge."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 

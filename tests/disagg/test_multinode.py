@@ -12,8 +12,6 @@ import sys
 import uuid
 import warnings
 
-import pytest
-
 from afd.cli.common import BUILTIN_MODEL
 
 ARGS = ["--prompt", "ROMEO:", "--prompt", "KING.\nWhat say you", "--prompt", "To be", "--max-tokens", "16",

@@ -26,7 +26,6 @@ def test_every_token_once_in_order_in_contiguous_pieces(chunks, m, policy):
     assert plan.num_microbatches == min(m, units)
     assert (plan.degraded is not None) == (m > units)
     if policy == "request":
-        seqs = [{sp.seq for sp in piece} for piece in plan.pieces]
         for piece in plan.pieces:
             for sp in piece:  # whole requests only
                 assert (sp.start, sp.length) == chunks[sp.seq]
