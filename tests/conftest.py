@@ -1,5 +1,5 @@
 """Suite-wide fixtures and the accelerator rule: tests marked ``cuda``/``npu`` are deselected
-by name where the device is absent, and the run says how many were not run and why."""
+by name where the devices are absent, and the run says how many were not run and why."""
 
 from __future__ import annotations
 
@@ -11,22 +11,36 @@ import torch
 from tests import support
 
 
-def _has_npu() -> bool:
-    return importlib.util.find_spec("torch_npu") is not None
+def device_count(kind: str) -> int:
+    """How many devices of ``kind`` ("cuda" / "npu") this machine has."""
+    if kind == "cuda":
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if importlib.util.find_spec("torch_npu") is None:
+        return 0
+    import torch_npu  # noqa: F401 - registers torch.npu
+
+    return torch.npu.device_count()
 
 
-_NOT_RUN: dict[str, int] = {}
+_NOT_RUN: dict[str, int] = {}  # reason -> tests
 
 
 def pytest_collection_modifyitems(config, items):
-    absent = {"cuda": not torch.cuda.is_available(), "npu": not _has_npu()}
+    """``@pytest.mark.cuda`` / ``@pytest.mark.npu`` (``devices=N``, default 1): deselected, and counted with the
+    reason, where this machine has fewer such devices."""
+    have = {kind: device_count(kind) for kind in ("cuda", "npu")}
     keep, drop = [], []
     for item in items:
-        missing = [m for m, gone in absent.items() if gone and item.get_closest_marker(m)]
-        if missing:
+        reasons = []
+        for kind, n in have.items():
+            mark = item.get_closest_marker(kind)
+            need = mark.kwargs.get("devices", 1) if mark else 0
+            if need > n:
+                what = "CUDA" if kind == "cuda" else "Ascend NPU (torch_npu)"
+                reasons.append(f"need {need} {what} device{'s' if need > 1 else ''}, this machine has {n}")
+        if reasons:
             drop.append(item)
-            for m in missing:
-                _NOT_RUN[m] = _NOT_RUN.get(m, 0) + 1
+            _NOT_RUN["; ".join(reasons)] = _NOT_RUN.get("; ".join(reasons), 0) + 1
         else:
             keep.append(item)
     if drop:
@@ -36,8 +50,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_terminal_summary(terminalreporter):
     if _NOT_RUN:
-        why = {"cuda": "no CUDA device on this machine", "npu": "torch_npu / Ascend NPU not installed"}
-        parts = [f"{n} need {m.upper()} ({why[m]})" for m, n in sorted(_NOT_RUN.items())]
+        parts = [f"{n} ({why})" for why, n in sorted(_NOT_RUN.items())]
         terminalreporter.write_line(f"NOT RUN (deselected by marker): {sum(_NOT_RUN.values())} tests: " + "; ".join(parts))
     else:
         terminalreporter.write_line("NOT RUN (deselected by marker): 0 tests")

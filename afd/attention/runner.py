@@ -72,7 +72,7 @@ class DisaggregatedRunner:
     ) -> None:
         self.model = model
         self.cache_config = cache
-        self.device = torch.device("cpu")
+        self.device = model.model.embed_tokens.weight.device  # where the model was loaded; KV and metadata live there too
         dtype = model.model.embed_tokens.weight.dtype
         self.kv_cache = PagedKVCache(cache, model.config.num_layers, model.kv_layout(), dtype, self.device)
         self.endpoint = endpoint
@@ -113,7 +113,7 @@ class DisaggregatedRunner:
         for c in chunks:
             offsets.append(acc)
             acc += c.length
-        ids = torch.tensor(token_ids, dtype=torch.long)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         last_rows: list[tuple[int, int]] = [(-1, -1)] * len(chunks)  # seq -> (micro-batch, row) of its last token
         mbs = []
         for k, piece in enumerate(plan.pieces):

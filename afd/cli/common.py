@@ -39,6 +39,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="tokens per step (longer prompts are chunked)")
+    p.add_argument("--device", default="cpu",
+                   help="monolithic runs: cpu (default), cuda:N or npu:N (disaggregated runs: --attention-devices / --ffn-devices)")
+
+
+def monolithic_engine(args: argparse.Namespace, model_dir: Path):
+    """The engine of a monolithic run, from the engine flags (``afd generate`` and ``afd serve``)."""
+    from afd.distributed.devices import check_present
+    from afd.distributed.topology import parse_device
+    from afd.engine.llm_engine import LLMEngine
+
+    device = parse_device(args.device)
+    if device.cores:
+        raise ValueError("--device takes cpu, cuda:N or npu:N; pin a monolithic run's cores with taskset")
+    check_present([device])
+    return LLMEngine.from_pretrained(model_dir, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                     device=device.torch_device)
 
 
 def setup_process(verbose: bool = False) -> None:
@@ -110,6 +127,8 @@ def topology_from_args(args: argparse.Namespace, num_experts: int):
         placement=ExpertPlacement.parse(args.placement, num_experts) if args.placement else None,
     )
     if topology is not None:
+        if getattr(args, "device", "cpu") != "cpu":
+            raise ValueError("--device is for monolithic runs; a disaggregated run takes --attention-devices and --ffn-devices")
         validate_topology(topology, num_experts)
     return topology
 

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from afd.cli.common import add_engine_args, add_topology_args, pipeline_from_args, resolve_model, topology_from_args
+from afd.cli.common import add_engine_args, add_topology_args, monolithic_engine, pipeline_from_args, resolve_model, topology_from_args
 from afd.config import SamplingParams
 
 log = logging.getLogger("afd.generate")
@@ -35,8 +35,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from afd.engine.llm_engine import LLMEngine
-
     model_dir = resolve_model(args.model)
     params = [
         SamplingParams(
@@ -56,14 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if topology is None and args.trace:
         raise ValueError("--trace records the disaggregated runtime: add topology flags (e.g. --attention-ranks 1 --ffn-ranks 1)")
     if topology is None:
-        engine = LLMEngine.from_pretrained(
-            model_dir,
-            dtype=args.dtype,
-            kv_cache_memory=args.kv_cache_memory,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        )
+        engine = monolithic_engine(args, model_dir)
         log.info("monolithic: model %s (%s), dtype %s, %s", model_dir, engine.model.config.architecture, engine.config.dtype, engine.config.cache)
         if args.capture:
             from afd.obs.capture import CaptureStore

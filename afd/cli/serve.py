@@ -56,10 +56,9 @@ def _replicas(args: argparse.Namespace, model_dir, topology):
     from afd.serving.frontend import ClusterReplicas, LocalReplicas
 
     if topology is None:
-        from afd.engine.llm_engine import LLMEngine
+        from afd.cli.common import monolithic_engine
 
-        engine = LLMEngine.from_pretrained(model_dir, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-                                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        engine = monolithic_engine(args, model_dir)
         log.info("monolithic: %s, %s", model_dir, engine.config.cache)
         return LocalReplicas(engine)
     cluster = _cluster(args, model_dir, topology)

@@ -53,7 +53,8 @@ class AttentionEndpoint:
         self.mailbox = mailbox
         self.topology = topology
         self.rank = mailbox.index
-        self.owner = torch.tensor(placement.expert_to_rank, dtype=torch.long)  # [E] logical expert -> FFN rank
+        self.device = mailbox.device  # the rank's compute device: results arrive here
+        self.owner = torch.tensor(placement.expert_to_rank, dtype=torch.long, device=self.device)  # [E] expert -> FFN rank
         self.timeout = timeout
         self.designated = topology.designated_ffn_rank(self.rank)
         # several dispatches may be in flight (async micro-batches): results are matched by key
@@ -75,7 +76,7 @@ class AttentionEndpoint:
         """Send ``ffn_input [T, H]`` (and, with gate on attention, ``routing``) to the FFN ranks that need it."""
         t = self.topology
         num_tokens = ffn_input.shape[0]
-        all_rows = torch.arange(num_tokens)
+        all_rows = torch.arange(num_tokens, device=ffn_input.device)
         plan: dict[int, tuple[torch.Tensor, Op, dict[TensorName, torch.Tensor]]] = {}
         if not is_moe:  # a dense layer placed on the FFN side
             plan[self.designated] = (all_rows, Op.DENSE, {TensorName.HIDDEN: ffn_input})
@@ -151,7 +152,7 @@ class AttentionEndpoint:
         self.round_trips += 1
         self.round_trip_s += done - handle.sent_at
         self.wait_s += done - waited_from
-        total = torch.zeros(handle.num_tokens, hidden_size, dtype=dtype)
+        total = torch.zeros(handle.num_tokens, hidden_size, dtype=dtype, device=self.device)
         for r in sorted(partial):  # fixed rank order, never arrival order
             total.index_add_(0, handle.rows[r], partial[r].to(dtype))
         return total

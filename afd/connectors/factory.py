@@ -25,20 +25,24 @@ class LinkSpec:
     master_port: int = 0
     heartbeat_interval: float = 1.0  # seconds; 0 disables heartbeats
     link_timeout: float = 60.0  # a peer silent this long is reported as hung
+    backend: str = "gloo"  # torch transport: gloo, nccl or hccl (afd.distributed.topology.backend_for)
 
 
-def make_mailbox(spec: LinkSpec, role: Role, index: int, num_peers: int, hub: LoopbackHub | None = None) -> Mailbox:
+def make_mailbox(spec: LinkSpec, role: Role, index: int, num_peers: int, hub: LoopbackHub | None = None,
+                 device: str = "cpu") -> Mailbox:
+    """``device``: the rank's compute device, where received tensors are delivered."""
     if spec.transport == "loopback":
         if hub is None:
             raise ValueError("the loopback transport needs the run's LoopbackHub (ranks must be threads of one process)")
-        return LoopbackMailbox(hub, role, index, num_peers, spec.io_log)
+        return LoopbackMailbox(hub, role, index, num_peers, spec.io_log, device)
     if spec.transport == "shm":
         from afd.connectors.shm import ShmMailbox
 
-        return ShmMailbox(spec.run_dir, role, index, num_peers, spec.num_slots, spec.slot_bytes, spec.connect_timeout, spec.io_log)
+        return ShmMailbox(spec.run_dir, role, index, num_peers, spec.num_slots, spec.slot_bytes, spec.connect_timeout,
+                          spec.io_log, device)
     if spec.transport == "torch":
         from afd.connectors.torch_dist import TorchMailbox
 
         return TorchMailbox(role, index, spec.num_attention, spec.num_ffn, spec.master_addr, spec.master_port,
-                            timeout=spec.connect_timeout, io_log=spec.io_log)
+                            backend=spec.backend, timeout=spec.connect_timeout, io_log=spec.io_log, device=device)
     raise ValueError(f"unknown transport {spec.transport!r}; use loopback, shm or torch")

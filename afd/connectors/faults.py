@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from afd.connectors.protocol import Header
 
 
-def inject(kind: str, header: Header, header_bytes: bytes, payload: list[memoryview]) -> tuple[bytes, list[memoryview]]:
+def inject(kind: str, header: Header, header_bytes: bytes, payload: list[torch.Tensor]) -> tuple[bytes, list[torch.Tensor]]:
+    """``payload``: the frame's 1-d uint8 tensors."""
     if kind == "corrupt-header":
         return b"XXXX" + header_bytes[4:], payload
     if kind == "wrong-layer":

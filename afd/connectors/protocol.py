@@ -206,27 +206,48 @@ def encode(message: Message) -> tuple[bytes, list[torch.Tensor]]:
     return message.header.pack(), [message.tensors[s.name].contiguous() for s in message.header.tensors]
 
 
-def decode_payload(header: Header, payload: bytes | memoryview, receiver: str) -> Message:
-    """Split a contiguous payload into the header's tensors (copies out of the transport's buffer)."""
-    if len(payload) != header.payload_bytes:
+def decode_payload(header: Header, payload: bytes | memoryview | torch.Tensor, receiver: str,
+                   device: torch.device | None = None) -> Message:
+    """Split a contiguous payload into the header's tensors, on ``device`` (default: where the payload is).
+
+    ``payload`` is a transport's reusable buffer (bytes / memoryview: copied out once, straight to
+    ``device``) or a fresh uint8 tensor the transport hands over (viewed in place, moved if needed).
+    """
+    size = payload.numel() if isinstance(payload, torch.Tensor) else len(payload)
+    if size != header.payload_bytes:
         raise ProtocolError(
-            f"{receiver}: truncated payload from {header.source}: {len(payload)} of {header.payload_bytes} bytes "
+            f"{receiver}: truncated payload from {header.source}: {size} of {header.payload_bytes} bytes "
             f"(layer {header.layer}, seq {header.seq})"
         )
-    if isinstance(payload, bytes):  # read-only: torch.frombuffer wants a writable buffer
-        payload = bytearray(payload)
+    if not header.tensors:
+        return Message(header, {})
+    if isinstance(payload, torch.Tensor):
+        buf = payload if device is None or payload.device == device else payload.to(device)
+    elif size == 0:
+        buf = torch.empty(0, dtype=torch.uint8, device=device)
+    else:
+        if isinstance(payload, bytes):  # read-only: torch.frombuffer wants a writable buffer
+            payload = bytearray(payload)
+        host = torch.frombuffer(payload, dtype=torch.uint8)
+        buf = host.clone() if device is None or device.type == "cpu" else host.to(device)  # the one copy out
     tensors, off = {}, 0
     for spec in header.tensors:
-        n = spec.num_bytes
-        raw = torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=off).clone() if n else torch.empty(0, dtype=torch.uint8)
-        tensors[spec.name] = raw.view(spec.dtype).reshape(spec.shape)  # one aligned copy per tensor
-        off += n
+        raw = buf[off : off + spec.num_bytes]
+        if off % spec.dtype.itemsize:  # a dtype view needs an aligned offset
+            raw = raw.clone()
+        tensors[spec.name] = raw.view(spec.dtype).reshape(spec.shape)
+        off += spec.num_bytes
     return Message(header, tensors)
 
 
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a 1-d uint8 tensor on its own device (a view when it is contiguous)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor (no copy)."""
-    t = t.contiguous().reshape(-1)  # 1-d: a 0-d tensor cannot be viewed as bytes
+    """The raw bytes of a CPU tensor as a memoryview (no copy when it is contiguous)."""
+    t = flat_bytes(t)
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.numpy()).cast("B")

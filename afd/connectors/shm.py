@@ -27,7 +27,7 @@ import struct
 import time
 from pathlib import Path
 
-from afd.connectors.protocol import Role
+from afd.connectors.protocol import Role, tensor_bytes
 from afd.connectors.transport import ConnectorTimeout, Mailbox, PeerDiedError
 
 _CTRL = 64  # write count (u64) at 0, read count (u64) at 8
@@ -87,8 +87,9 @@ class ShmMailbox(Mailbox):
         slot_bytes: int,
         connect_timeout: float = 30.0,
         io_log: bool = False,
+        device: str = "cpu",
     ) -> None:
-        super().__init__(role, index, num_peers, io_log)
+        super().__init__(role, index, num_peers, io_log, device)
         me = (role, index)
         self._out: dict[int, _Ring] = {}
         self._in: dict[int, _Ring] = {}
@@ -126,6 +127,7 @@ class ShmMailbox(Mailbox):
 
     # ------------------------------------------------------------------ send
     def _send(self, peer: int, header: bytes, payload: list) -> None:
+        payload = [tensor_bytes(p) for p in payload]  # host tensors -> their bytes, no copy
         ring = self._out[peer]
         size = _FRAME.size + len(header) + sum(len(p) for p in payload)
         if size > ring.slot_bytes:

@@ -1,9 +1,17 @@
 """``torch`` transport: torch.distributed point-to-point for payloads, a TCP control channel for headers.
 
+* Backend (:func:`afd.distributed.devices.backend_for`): NCCL when every rank is
+  on CUDA, HCCL when every rank is on an Ascend NPU; payloads then move
+  device to device. Otherwise gloo, with payloads staged through host memory.
 * Rendezvous: a ``TCPStore`` hosted by the launcher (or node 0's launcher in a
-  multi-node run); each rank joins the world group (gloo on CPU) with global
-  rank ``a`` (attention) or ``A + f`` (FFN), and one two-rank group per
-  (attention rank, FFN rank) link.
+  multi-node run); each rank joins the world group with global rank ``a``
+  (attention) or ``A + f`` (FFN), and **two** two-rank groups per (attention
+  rank, FFN rank) link, one per direction. NCCL runs a communicator's sends and
+  receives in order on one stream, and a send waits for its matching receive:
+  with work and results on one communicator, an attention rank's send of
+  micro-batch k+1 queued before its receive of result k, and the FFN rank's
+  send of result k queued before its receive of work k+1, wait on each other
+  for ever. One communicator per direction cannot form that cycle.
 * Headers travel on one TCP connection per link: the FFN rank listens and
   publishes ``host:port`` in the store, the attention rank connects. The
   receiver polls the sockets with ``select``, so it never posts a receive it
@@ -57,23 +65,33 @@ class TorchMailbox(Mailbox):
         backend: str = "gloo",
         timeout: float = 60.0,
         io_log: bool = False,
+        device: str = "cpu",
     ) -> None:
         num_peers = num_ffn if role == Role.ATTENTION else num_attention
-        super().__init__(role, index, num_peers, io_log)
+        super().__init__(role, index, num_peers, io_log, device)
         self.num_attention = num_attention
         self.me = global_rank(role, index, num_attention)
+        self.backend = backend
+        options = {}
+        if backend != "gloo":  # payloads stay on the accelerator: NCCL / HCCL move device memory
+            self.wire_device = self.device
+            torch.get_device_module(self.device.type).set_device(self.device)
+            options["device_id"] = self.device
         td = datetime.timedelta(seconds=timeout)
         self.store = dist.TCPStore(master_addr, master_port, num_attention + num_ffn, is_master=False, timeout=td)
-        dist.init_process_group(backend, store=self.store, rank=self.me, world_size=num_attention + num_ffn, timeout=td)
-        # one group per link, created by every rank in the same order (new_group is collective)
-        self.groups: dict[int, object] = {}
+        dist.init_process_group(backend, store=self.store, rank=self.me, world_size=num_attention + num_ffn, timeout=td, **options)
+        # two groups per link, one per direction (see the module docstring), created by every rank in
+        # the same order (new_group is collective)
+        self._out: dict[int, object] = {}  # peer -> group this rank sends payloads on
+        self._in: dict[int, object] = {}  # peer -> group this rank receives payloads on
         for a in range(num_attention):
             for f in range(num_ffn):
-                g = dist.new_group([a, num_attention + f])
+                to_ffn = dist.new_group([a, num_attention + f])
+                to_attention = dist.new_group([a, num_attention + f])
                 if role == Role.ATTENTION and index == a:
-                    self.groups[f] = g
+                    self._out[f], self._in[f] = to_ffn, to_attention
                 elif role == Role.FFN and index == f:
-                    self.groups[a] = g
+                    self._out[a], self._in[a] = to_attention, to_ffn
         self.socks: dict[int, socket.socket] = {}
         self._pending: list[tuple[object, torch.Tensor]] = []  # isend works not yet completed
         if role == Role.FFN:
@@ -108,21 +126,23 @@ class TorchMailbox(Mailbox):
             s.sendall(struct.pack("<I", self.index))
             self.socks[f] = s
 
-    def _send(self, peer: int, header: bytes, payload: list) -> None:
-        data = b"".join(bytes(p) for p in payload)
+    def _send(self, peer: int, header: bytes, payload: list[torch.Tensor]) -> None:
+        size = sum(p.numel() for p in payload)
         try:
-            self.socks[peer].sendall(_FRAME.pack(len(header), len(data)) + header)
+            self.socks[peer].sendall(_FRAME.pack(len(header), size) + header)
         except OSError:
             raise PeerDiedError(f"{self.name}: {self.peer_name(peer)} is gone (control socket closed)") from None
-        if data:
-            # Two blocking sends facing each other on a link never complete (gloo reads a message only
-            # into a posted receive), and with micro-batches in flight both sides may send at once. So
-            # one side must not block: the attention side sends asynchronously (its buffer lives until
-            # the send completes) and the FFN side blocks -- the attention side always comes back to
-            # read results, and a blocking send is ~3x faster here than an isend left to progress alone.
-            tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            work = dist.isend(tensor, dst=self._peer_global(peer), group=self.groups[peer], tag=self.me)
-            if self.role == Role.FFN:
+        if size:
+            # one message per frame: a lone tensor goes as it is (nobody writes to a sent tensor), several are
+            # packed with one copy. Two blocking gloo sends facing each other never complete (gloo reads a
+            # message only into a posted receive), and with micro-batches in flight both sides may send at
+            # once. So one side must not block: the attention side sends asynchronously (the tensor lives in
+            # _pending until the send completes) and, on gloo, the FFN side blocks -- the attention side
+            # always comes back to read results, and a blocking send is ~3x faster here than an isend left
+            # to progress alone. NCCL/HCCL sends never block the host: both sides keep them pending.
+            tensor = payload[0] if len(payload) == 1 else torch.cat(payload)
+            work = dist.isend(tensor, dst=self._peer_global(peer), group=self._out[peer], tag=self.me)
+            if self.role == Role.FFN and self.backend == "gloo":
                 work.wait()
             else:
                 self._pending.append((work, tensor))
@@ -150,10 +170,10 @@ class TorchMailbox(Mailbox):
                 f"(layer {header.layer}, seq {header.seq})"
             )
         self._reap()
-        buf = torch.empty(plen, dtype=torch.uint8)
+        buf = torch.empty(plen, dtype=torch.uint8, device=self.wire_device)  # exactly the announced size
         if plen:
-            dist.recv(buf, src=self._peer_global(peer), group=self.groups[peer], tag=self._peer_global(peer))
-        return peer, header_bytes, memoryview(buf.numpy())
+            dist.recv(buf, src=self._peer_global(peer), group=self._in[peer], tag=self._peer_global(peer))
+        return peer, header_bytes, buf  # a fresh tensor: decoded in place, no copy
 
     def _forget(self, peer: int) -> None:
         sock = self.socks.get(peer)

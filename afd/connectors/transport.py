@@ -5,6 +5,12 @@ message from any peer. Every receive has a timeout; a peer whose end of the
 link closes (its process died) raises :class:`PeerDiedError` naming it.
 Transports copy bytes exactly: a message arrives as the same header bytes and
 payload bytes that were sent.
+
+Devices: a mailbox delivers every received tensor on its rank's ``device`` and
+accepts tensors on any device to send. Payload bytes travel from the
+transport's ``wire_device``: host memory for ``loopback`` and ``shm`` (a CUDA
+rank's payload is staged through the host, one copy each way), the rank's own
+accelerator for ``torch`` over NCCL/HCCL (no staging).
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from afd.connectors.faults import inject
-from afd.connectors.protocol import Header, Kind, Message, ProtocolError, Role, decode_payload, encode, rank_name, tensor_bytes
+import torch
+
+from afd.connectors.protocol import Header, Kind, Message, ProtocolError, Role, decode_payload, encode, flat_bytes, rank_name, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +56,10 @@ class LinkStats:
 class Mailbox(ABC):
     """One rank's end of all its links: (role, index) talks to every rank of the other side."""
 
-    def __init__(self, role: Role, index: int, num_peers: int, io_log: bool = False) -> None:
+    def __init__(self, role: Role, index: int, num_peers: int, io_log: bool = False, device: str | torch.device = "cpu") -> None:
         self.role = role
+        self.device = torch.device(device)  # received tensors are delivered here (the rank's compute device)
+        self.wire_device = torch.device("cpu")  # payload bytes leave from and arrive in this device's memory
         self.index = index
         self.num_peers = num_peers
         self.name = rank_name(role, index)
@@ -115,7 +125,7 @@ class Mailbox(ABC):
 
     def send(self, peer: int, message: Message) -> None:
         header_bytes, tensors = encode(message)
-        payload = [tensor_bytes(t) for t in tensors]
+        payload = [flat_bytes(t.to(self.wire_device)) for t in tensors]  # 1-d uint8, views where possible
         if self.fault is not None and message.header.kind == Kind.WORK:
             self._work_sent += 1
             if self._work_sent == self.fault[1]:
@@ -123,7 +133,7 @@ class Mailbox(ABC):
         with self._send_lock:
             self._send(peer, header_bytes, payload)
             self._last_sent[peer] = time.monotonic()
-        n_payload = sum(len(p) for p in payload)
+        n_payload = sum(p.numel() for p in payload)
         self.stats.messages_sent += 1
         self.stats.bytes_sent += len(header_bytes) + n_payload
         self.stats.payload_bytes_sent[peer] = self.stats.payload_bytes_sent.get(peer, 0) + n_payload
@@ -144,7 +154,7 @@ class Mailbox(ABC):
                     f"{self.name}: message on the link from {self.peer_name(peer)} claims to come from {header.source} "
                     f"to index {header.dst_index}"
                 )
-            message = decode_payload(header, payload, self.name)
+            message = decode_payload(header, payload, self.name, self.device)
         finally:
             if isinstance(payload, memoryview):
                 payload.release()
@@ -163,10 +173,12 @@ class Mailbox(ABC):
         return message
 
     @abstractmethod
-    def _send(self, peer: int, header: bytes, payload: list[memoryview]) -> None: ...
+    def _send(self, peer: int, header: bytes, payload: list[torch.Tensor]) -> None:
+        """Send one frame; ``payload`` is 1-d uint8 tensors on ``wire_device``, in table order."""
 
     @abstractmethod
-    def _recv(self, timeout: float) -> tuple[int, bytes, bytes | memoryview] | None: ...
+    def _recv(self, timeout: float) -> tuple[int, bytes, bytes | memoryview | torch.Tensor] | None:
+        """(peer, header bytes, payload): a buffer the transport reuses after ``_release``, or a fresh uint8 tensor."""
 
     def _release(self) -> None:
         """Give the transport's receive buffer back (after the payload was copied out)."""
@@ -217,15 +229,16 @@ class LoopbackHub:
 
 
 class LoopbackMailbox(Mailbox):
-    def __init__(self, hub: LoopbackHub, role: Role, index: int, num_peers: int, io_log: bool = False) -> None:
-        super().__init__(role, index, num_peers, io_log)
+    def __init__(self, hub: LoopbackHub, role: Role, index: int, num_peers: int, io_log: bool = False,
+                 device: str | torch.device = "cpu") -> None:
+        super().__init__(role, index, num_peers, io_log, device)
         self.hub = hub
         self._inbox = hub.inbox(role, index)
 
-    def _send(self, peer: int, header: bytes, payload: list[memoryview]) -> None:
+    def _send(self, peer: int, header: bytes, payload: list[torch.Tensor]) -> None:
         if self.hub.closed.is_set():
             raise PeerDiedError(f"{self.name}: links are closed, cannot send to {self.peer_name(peer)}")
-        data = bytearray(b"".join(payload))  # a copy, as a real transport makes
+        data = bytearray(b"".join(tensor_bytes(p) for p in payload))  # a copy, as a real transport makes
         self.hub.inbox(self.peer_role, peer).put((self.index, bytes(header), data))
 
     def _recv(self, timeout: float):

@@ -151,8 +151,12 @@ class Topology:
         return attention_rank % self.num_ffn_ranks
 
 
-def validate_topology(topology: Topology, num_experts: int, allow_accelerators: bool = False) -> ExpertPlacement:
-    """Check everything that can be checked before a process starts; return the expert placement."""
+def validate_topology(topology: Topology, num_experts: int) -> ExpertPlacement:
+    """Check everything that can be checked before a process starts; return the expert placement.
+
+    Whether the devices exist is a property of the host that runs them:
+    :func:`afd.distributed.devices.check_present`, called by the launcher for its own ranks.
+    """
     t = topology
     if not t.attention_devices or not t.ffn_devices:
         raise TopologyError("a disaggregated run needs at least one attention and one FFN device")
@@ -179,19 +183,15 @@ def validate_topology(topology: Topology, num_experts: int, allow_accelerators: 
     if stray:
         raise TopologyError(f"placement names FFN ranks {stray} but only {t.num_ffn_ranks} exist")
     _check_devices(t)
-    if t.transport in ("loopback", "shm"):
-        accel = [d for d in (*t.attention_devices, *t.ffn_devices) if d.is_accelerator]
-        if accel and t.transport == "loopback":
-            raise TopologyError("the loopback transport runs on CPU only; use --transport torch for accelerators")
-    if any(d.is_accelerator for d in (*t.attention_devices, *t.ffn_devices)) and t.transport == "shm":
-        raise TopologyError("the shm transport moves CPU tensors; use --transport torch for cuda/npu devices")
-    accel = sorted({str(d) for d in (*t.attention_devices, *t.ffn_devices) if d.is_accelerator})
-    if accel and not allow_accelerators:
-        raise TopologyError(
-            f"{', '.join(accel)}: CUDA/NPU ranks are not wired yet (the split runner keeps its tensors on CPU and the "
-            "torch transport uses gloo); run on cpu devices, see docs/support-matrix.md"
-        )
     return placement
+
+
+def backend_for(topology: Topology) -> str:
+    """The torch.distributed backend of a ``torch``-transport run: NCCL when every rank is on CUDA, HCCL
+    when every rank is on an Ascend NPU (payloads move device to device), else gloo (staged through host
+    memory, as on the ``shm`` and ``loopback`` transports)."""
+    kinds = {d.kind for d in (*topology.attention_devices, *topology.ffn_devices)}
+    return {frozenset({"cuda"}): "nccl", frozenset({"npu"}): "hccl"}.get(frozenset(kinds), "gloo")
 
 
 def _check_devices(t: Topology) -> None:

@@ -33,7 +33,8 @@ from afd.config import PipelineConfig, SamplingParams
 from afd.connectors.factory import LinkSpec
 from afd.connectors.protocol import Role
 from afd.connectors.transport import LoopbackHub
-from afd.distributed.topology import Topology, validate_topology
+from afd.distributed.devices import check_present
+from afd.distributed.topology import Topology, backend_for, validate_topology
 from afd.engine.ranks import EngineArgs, RankSpec, ReadyReport, run_rank
 from afd.engine.request import RequestOutput
 from afd.models.hf_config import load_model_config
@@ -121,6 +122,8 @@ class Cluster:
         self.io_log = io_log
         config = load_model_config(self.model_dir)
         self.placement = validate_topology(topology, config.moe.num_experts)  # before any process starts
+        local = self.local_roles()  # devices are checked on the host that runs them
+        check_present([*(topology.attention_devices if Role.ATTENTION in local else ()), *(topology.ffn_devices if Role.FFN in local else ())])
         self.model_config = config
         self.run_id = env.run_id() or uuid.uuid4().hex[:12]  # a supervisor may choose it
         self.run_dir: Path | None = None
@@ -146,7 +149,7 @@ class Cluster:
         # full ring can never block both sides at once
         link = LinkSpec(t.transport, self.run_dir, num_slots=9, slot_bytes=self._slot_bytes(), connect_timeout=self.ready_timeout,
                         io_log=self.io_log, num_attention=t.num_attention_ranks, num_ffn=t.num_ffn_ranks,
-                        heartbeat_interval=self.heartbeat_interval, link_timeout=self.link_timeout)
+                        heartbeat_interval=self.heartbeat_interval, link_timeout=self.link_timeout, backend=backend_for(t))
         if t.transport == "torch":
             import datetime
 

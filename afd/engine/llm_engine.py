@@ -165,7 +165,7 @@ class LLMEngine:
             def observer(layer: int, boundary: str, tensor: torch.Tensor) -> None:
                 values[(layer, boundary)] = tensor
 
-        logits = self.runner.execute(token_ids, [item.chunk for item in batch], observer)
+        logits = self.runner.execute(token_ids, [item.chunk for item in batch], observer).cpu()  # one copy off an accelerator
         if self.capture is not None:
             self._record(batch, values)
         sampled = []

@@ -27,6 +27,7 @@ from afd.config import EngineConfig, PipelineConfig
 from afd.connectors.endpoints import AttentionEndpoint
 from afd.connectors.factory import LinkSpec, make_mailbox
 from afd.connectors.protocol import Role, rank_name
+from afd.distributed.devices import device_module
 from afd.distributed.topology import DeviceSpec, ExpertPlacement, Topology
 from afd.engine.llm_engine import LLMEngine, cache_config_for
 from afd.engine.tokenizer import Tokenizer
@@ -105,6 +106,8 @@ def _setup_process(spec: RankSpec, is_process: bool) -> None:
         if cores:
             os.sched_setaffinity(0, cores)
         torch.set_num_threads(env.num_threads() or (len(cores) if cores else 1))
+    if spec.device.is_accelerator:  # this process's (or thread's) current device: default allocations land there
+        device_module(spec.device.kind).set_device(spec.device.torch_device)
 
 
 def run_rank(spec: RankSpec, conn, hub=None, is_process: bool = True) -> None:
@@ -134,7 +137,7 @@ def _load(spec: RankSpec):
 def _attention_main(spec: RankSpec, conn, hub) -> None:
     model, ready = _load(spec)
     t = spec.topology
-    mailbox = make_mailbox(spec.link, Role.ATTENTION, spec.index, t.num_ffn_ranks, hub)
+    mailbox = make_mailbox(spec.link, Role.ATTENTION, spec.index, t.num_ffn_ranks, hub, spec.device.torch_device)
     fault = env.fault()
     if fault is not None and spec.index == 0 and fault[0] != "engine-step":
         mailbox.fault = fault
@@ -208,13 +211,13 @@ def _capture(engine: LLMEngine, prompts: list[list[int]]) -> tuple[dict, torch.T
     blocks = BlockManager(engine.config.cache.num_blocks, engine.config.cache.block_size)
     chunks = [SeqChunk(blocks.ensure(i, len(p)), 0, len(p)) for i, p in enumerate(prompts)]
     logits = engine.runner.execute([t for p in prompts for t in p], chunks,
-                                   observer=lambda layer, b, x: values.__setitem__((layer, b), x.clone()))
-    return values, logits
+                                   observer=lambda layer, b, x: values.__setitem__((layer, b), x.to("cpu", copy=True)))
+    return values, logits.cpu()  # CPU tensors through the pipe, whatever the rank's device
 
 
 def _ffn_main(spec: RankSpec, conn, hub) -> None:
     model, ready = _load(spec)
-    mailbox = make_mailbox(spec.link, Role.FFN, spec.index, spec.topology.num_attention_ranks, hub)
+    mailbox = make_mailbox(spec.link, Role.FFN, spec.index, spec.topology.num_attention_ranks, hub, spec.device.torch_device)
     conn.send(("ready", ready))
     try:
         worker = FFNWorker(model, mailbox, spec.topology.num_attention_ranks)

@@ -29,8 +29,9 @@ class CaptureStore:
 
     def add(self, request: int, positions: Iterable[int], layer: int, boundary: str, rows: torch.Tensor) -> None:
         slot = self._rows.setdefault((request, layer, boundary), {})
+        rows = rows.detach().to("cpu", torch.float32, copy=True)  # off the device at once, one copy
         for pos, row in zip(positions, rows):
-            slot[int(pos)] = row.detach().float().clone()
+            slot[int(pos)] = row
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from afd.config import SamplingParams
 from afd.engine.llm_engine import LLMEngine
 
@@ -101,3 +103,35 @@ def test_bench_serve_measures_every_config_and_leaves_nothing(tmp_path):
         assert m["output_tokens_per_s"] > 0 and 0 < m["ttft_ms_p50"] <= m["ttft_ms_p99"] and 0 < m["itl_ms_p50"] <= m["itl_ms_p99"]
     bad = afd("bench", "serve", "--config", "nameonly", check=False)
     assert bad.returncode == 2 and "NAME=FLAGS" in bad.stderr
+
+
+def test_devices_this_host_lacks_are_refused_before_anything_starts():
+    no_cuda = {"CUDA_VISIBLE_DEVICES": ""}  # a CUDA host too looks like one without, for this test
+    for argv, words in [
+        (("--device", "cuda:0"), "cuda:0 asked for, but this host has no CUDA device"),
+        (("--attention-devices", "cuda:0", "--ffn-devices", "cpu", "--transport", "shm"), "cuda:0 asked for"),
+        (("--device", "cuda:0", "--attention-ranks", "1", "--ffn-ranks", "1"), "--device is for monolithic runs"),
+        (("--device", "cpu:0-1"), "--device takes cpu, cuda:N or npu:N"),
+    ]:
+        res = subprocess.run([sys.executable, "-m", "afd.cli.main", "generate", "--prompt", "x", *argv], capture_output=True,
+                             text=True, env={**os.environ, **no_cuda}, timeout=300)
+        assert res.returncode == 2, (argv, res.stderr)
+        assert words in res.stderr and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, (argv, res.stderr)
+
+
+@pytest.mark.cuda
+def test_monolithic_on_cuda_equals_cpu():
+    """``afd generate --device cuda:0`` (fp32) greedy-decodes the built-in model as the CPU reference does."""
+    from afd.cli.common import BUILTIN_MODEL
+    from afd.engine.tokenizer import Tokenizer
+    from afd.models import load_model
+    from afd.testing.parity import compare_greedy
+    from tests.support import greedy_with_gaps
+
+    out = afd("generate", "--device", "cuda:0", "--dtype", "float32", "--prompt", "ROMEO:", "--max-tokens", "24",
+              "--temperature", "0", "--ignore-eos", "--json")
+    got = json.loads(out.stdout)["token_ids"]
+    model = load_model(BUILTIN_MODEL, dtype="float32")[0]
+    ref, gaps = greedy_with_gaps(model, Tokenizer(BUILTIN_MODEL).encode("ROMEO:"), 24)
+    report = compare_greedy(ref, got, gaps)
+    assert report.ok, str(report)

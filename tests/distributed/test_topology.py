@@ -1,14 +1,17 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from afd.distributed.devices import check_present
 from afd.distributed.topology import (
     DeviceSpec,
     ExpertPlacement,
     Topology,
     TopologyError,
+    backend_for,
     parse_devices,
     parse_topology_args,
     validate_topology,
@@ -58,17 +61,39 @@ def test_explicit_placement():
         (topo("cpu", "cpu", transport="carrier-pigeon"), "--transport 'carrier-pigeon' is not one of"),
         (topo("cpu", "cpu", gate="router"), "--gate 'router' is not one of"),
         (topo("cpu", "cpu,cpu", placement=ExpertPlacement((0,) * 8)), r"FFN ranks \[1\] own no expert"),
-        (topo("cuda:0", "cuda:1", transport="shm"), "use --transport torch"),
     ],
 )
 def test_bad_topologies_are_rejected_with_actionable_messages(topology, message):
     with pytest.raises(TopologyError, match=message):
-        validate_topology(topology, num_experts=8, allow_accelerators=True)
+        validate_topology(topology, num_experts=8)
 
 
-def test_accelerator_ranks_are_refused_until_wired():
-    with pytest.raises(TopologyError, match="cuda:0, cuda:1: CUDA/NPU ranks are not wired yet"):
-        validate_topology(topo("cuda:0", "cuda:1", transport="torch"), num_experts=8)
+@pytest.mark.parametrize(
+    "attention, ffn, backend",
+    [("cuda:0", "cuda:1,cuda:2", "nccl"), ("npu:0", "npu:1", "hccl"), ("cuda:0", "cpu", "gloo"), ("cpu", "cpu", "gloo")],
+)
+def test_backend_follows_the_devices(attention, ffn, backend):
+    """NCCL/HCCL only when every rank is on that accelerator; any mix is staged through host memory over gloo."""
+    t = topo(attention, ffn, transport="torch")
+    validate_topology(t, num_experts=8)  # accelerators are accepted on every transport
+    assert backend_for(t) == backend
+
+
+def test_absent_accelerators_are_named_before_any_rank_starts(monkeypatch):
+    """A device this host lacks is named when the launcher is built: nothing is spawned."""
+    from afd.cli.common import BUILTIN_MODEL
+    from afd.engine.launcher import Cluster
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(TopologyError, match=r"cuda:1 asked for, but this host has no CUDA device"):
+        check_present(parse_devices("cpu,cuda:1"))
+    with pytest.raises(TopologyError, match="cuda:0 asked for"):
+        Cluster(BUILTIN_MODEL, topo("cuda:0", "cpu", transport="shm"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_present(parse_devices("cuda:0"))
+    with pytest.raises(TopologyError, match=r"cuda:1 asked for, but this host has 1 CUDA device\(s\): cuda:0..cuda:0"):
+        check_present(parse_devices("cuda:1"))
 
 
 def test_device_parsing():

@@ -41,8 +41,7 @@ def perplexity(model, values, windows) -> float:
 
 
 def params(case):
-    marks = [getattr(pytest.mark, case.accelerator)] if case.accelerator else []
-    return pytest.param(case, id=case.name, marks=marks)
+    return pytest.param(case, id=case.name, marks=[getattr(pytest.mark, kind)(devices=n) for kind, n in case.needs.items()])
 
 
 @pytest.mark.parametrize("case", [params(c) for c in CASES])
