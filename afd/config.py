@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from afd.pipeline.planner import CostModel
+
 SUPPORTED_ACTIVATIONS = ("silu",)
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 ROPE_TYPES = ("default", "yarn")
@@ -229,10 +231,8 @@ class PipelineConfig:
                       cost model (``--num-microbatches auto``)
     split             ``request`` (cut between sequences) or ``token`` (cut anywhere)
     credits           max dispatches in flight per attention rank (default: num_microbatches)
-    cost              planner cost model (attn_token, attn_context, ffn_token[, attn_call, ffn_call,
-                      transfer[, ffn_expert]]), e.g. fitted by ``afd bench costs``; None: the defaults
-    ffn_curve         measured (tokens, FFN cost) points that replace the parametric FFN cost when
-                      choosing m (``afd bench costs`` measures them on the step's real shapes)
+    cost              the planner's :class:`CostModel`, e.g. fitted by ``afd bench costs``
+                      (``CostModel.from_fit``); None: the defaults
     min_microbatch_tokens  a step with fewer than m x this many tokens runs fewer micro-batches
                       (1: always m when possible)
     """
@@ -241,10 +241,9 @@ class PipelineConfig:
     num_microbatches: int = 2
     split: str = "token"
     credits: int | None = None
-    cost: tuple[float, ...] | None = None
+    cost: CostModel | None = None
     min_microbatch_tokens: int = 1
     adaptive: bool = False
-    ffn_curve: tuple[tuple[int, float], ...] | None = None  # measured FFN cost per token count (afd bench costs)
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -257,12 +256,6 @@ class PipelineConfig:
             raise ValueError(f"credits must be in [1, 8], got {self.credits}")
         if self.min_microbatch_tokens < 1:
             raise ValueError(f"--min-microbatch-tokens must be >= 1, got {self.min_microbatch_tokens}")
-        if self.cost is not None and (len(self.cost) not in (3, 6, 7) or min(self.cost) < 0 or max(self.cost) <= 0):
-            raise ValueError("cost must be 3, 6 or 7 non-negative numbers (attn_token, attn_context, ffn_token"
-                             f"[, attn_call, ffn_call, transfer[, ffn_expert]]), got {self.cost}")
-        if self.adaptive and self.cost is not None and len(self.cost) == 3:
-            raise ValueError("adaptive micro-batching needs all six costs (with attn_call, ffn_call, transfer in the same unit "
-                             "as the per-token ones): use the JSON of afd bench costs")
 
     @property
     def effective_microbatches(self) -> int:

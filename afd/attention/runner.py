@@ -87,12 +87,11 @@ class DisaggregatedRunner:
 
     # ------------------------------------------------------------------ planning
     def _microbatches(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk]) -> tuple[list[_Microbatch], list[tuple[int, int]]]:
-        cost = CostModel(*self.pipeline.cost) if self.pipeline.cost else self.cost
+        cost = self.pipeline.cost or self.cost
         spans = [(c.start, c.length) for c in chunks]
         if self.pipeline.adaptive and self.pipeline.mode == "async":
             moe = self.model.config.moe
-            cost = replace(cost, num_experts=moe.num_experts, top_k=moe.top_k,  # the expert-read term
-                           ffn_curve=self.pipeline.ffn_curve or cost.ffn_curve)
+            cost = replace(cost, num_experts=moe.num_experts, top_k=moe.top_k)  # the expert-read term
             plan = choose_plan(spans, self.pipeline.num_microbatches, self.model.config.num_layers, self.pipeline.split, cost,
                                self.pipeline.credits)
             if self.trace is not None:

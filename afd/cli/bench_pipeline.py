@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from afd.cli.common import print_table
+from afd.pipeline import CostModel
 from afd.config import PipelineConfig, SamplingParams
 
 
@@ -123,7 +124,7 @@ def _run_monolithic(model_dir: Path, args, prompts) -> dict:
     return {"step_s": statistics.median(times)}
 
 
-def _auto_costs(model_dir: Path, args) -> tuple[tuple[float, ...], tuple | None]:
+def _auto_costs(model_dir: Path, args) -> CostModel:
     """The cost model the adaptive row plans with: --cost-model, else fitted on this model now."""
     if args.cost_model:
         c = json.loads(Path(args.cost_model).read_text())
@@ -134,13 +135,11 @@ def _auto_costs(model_dir: Path, args) -> tuple[tuple[float, ...], tuple | None]
         model, _ = load_model(model_dir)
         c = fit(model, repeats=3, threads=1)  # one thread, as the ranks run
         del model
-    c.setdefault("transfer", args.transfer_us * 1e-6)
+    cost = CostModel.from_fit(c, transfer=args.transfer_us * 1e-6)
     keys = ("attn_token", "attn_context", "ffn_token", "attn_call", "ffn_call", "transfer", "ffn_expert")
-    c.setdefault("ffn_expert", 0.0)
-    curve = tuple((int(n), float(t)) for n, t in c["ffn_curve"]) if c.get("ffn_curve") else None
-    print("auto row costs: " + ", ".join(f"{k} {c[k]:.3g}" for k in keys)
-          + (", ffn measured " + ", ".join(f"{n}: {1e3 * t:.0f} ms" for n, t in curve) if curve else ""), file=sys.stderr)
-    return tuple(max(0.0, float(c[k])) for k in keys), curve
+    print("auto row costs: " + ", ".join(f"{k} {getattr(cost, k):.3g}" for k in keys)
+          + (", ffn measured " + ", ".join(f"{n}: {1e3 * t:.0f} ms" for n, t in cost.ffn_curve) if cost.ffn_curve else ""), file=sys.stderr)
+    return cost
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,14 +158,14 @@ def run(args: argparse.Namespace) -> int:
         label = f"synthetic DeepSeek-V2-Lite-shaped, {args.synthetic_layers} layers, bf16"
     try:
         prompts = _workload(load_model_config(model_dir).vocab_size, args)
-        cost, curve = _auto_costs(model_dir, args)
+        cost = _auto_costs(model_dir, args)
         results = {
             "sync": _run_split(model_dir, args, PipelineConfig("sync"), prompts),
             f"async m={args.num_microbatches}": _run_split(model_dir, args, PipelineConfig("async", args.num_microbatches, args.split), prompts),
             f"async m={args.num_microbatches}, min {args.min_microbatch_tokens} tok": _run_split(
                 model_dir, args, PipelineConfig("async", args.num_microbatches, args.split, min_microbatch_tokens=args.min_microbatch_tokens), prompts),
             f"async auto (m<={args.num_microbatches})": _run_split(
-                model_dir, args, PipelineConfig("async", args.num_microbatches, args.split, cost=cost, adaptive=True, ffn_curve=curve), prompts),
+                model_dir, args, PipelineConfig("async", args.num_microbatches, args.split, cost=cost, adaptive=True), prompts),
             "monolithic (2 threads)": _run_monolithic(model_dir, args, prompts),
         }
     finally:

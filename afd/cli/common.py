@@ -136,21 +136,17 @@ def topology_from_args(args: argparse.Namespace, num_experts: int):
 def pipeline_from_args(args: argparse.Namespace):
     from afd.config import PipelineConfig
 
+    from afd.pipeline import CostModel
+
     cost = None
     if args.cost_model:
         import json
 
-        c = json.loads(open(args.cost_model).read())
-        keys = ["attn_token", "attn_context", "ffn_token"]
-        if "attn_call" in c:  # fitted by afd bench costs: seconds, with the fixed costs that choose m
-            keys += ["attn_call", "ffn_call", "transfer"] + (["ffn_expert"] if "ffn_expert" in c else [])
-            c.setdefault("transfer", 100e-6)
-        cost = tuple(max(0.0, float(c[k])) for k in keys)
+        cost = CostModel.from_fit(json.loads(Path(args.cost_model).read_text()))
     adaptive = isinstance(args.num_microbatches, tuple)
     m = args.num_microbatches[1] if adaptive else args.num_microbatches
-    curve = tuple((int(n), float(t)) for n, t in c["ffn_curve"]) if cost and c.get("ffn_curve") else None
     return PipelineConfig(mode=args.mode, num_microbatches=m, split=args.split, cost=cost,
-                          min_microbatch_tokens=args.min_microbatch_tokens, adaptive=adaptive, ffn_curve=curve)
+                          min_microbatch_tokens=args.min_microbatch_tokens, adaptive=adaptive)
 
 
 def print_table(rows: list[tuple[str, ...]] | list[list[str]]) -> None:

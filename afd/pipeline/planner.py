@@ -50,9 +50,24 @@ class CostModel:
     ffn_curve: tuple[tuple[int, float], ...] = ()  # measured (tokens, cost) points; when given, the FFN cost
 
     def __post_init__(self) -> None:
+        coefficients = (self.attn_token, self.attn_context, self.ffn_token, self.attn_call, self.ffn_call, self.transfer, self.ffn_expert)
+        if min(coefficients) < 0 or max(self.attn_token, self.attn_context, self.ffn_token) <= 0:
+            raise ValueError(f"costs must be non-negative with a positive per-token cost, got {coefficients}")
         ns = [n for n, _ in self.ffn_curve]
         if ns and (ns != sorted(set(ns)) or ns[0] < 1 or min(c for _, c in self.ffn_curve) < 0):
             raise ValueError(f"ffn_curve must be (tokens >= 1, cost >= 0) points with increasing tokens, got {self.ffn_curve}")
+
+    @classmethod
+    def from_fit(cls, fit: dict, transfer: float = 100e-6) -> "CostModel":
+        """The cost model in a fit of ``afd bench costs`` (its JSON; seconds). ``transfer``: the one-way
+        message cost where the fit has none (it measures compute, not the connector)."""
+        keys = ("attn_token", "attn_context", "ffn_token", "attn_call", "ffn_call")
+        missing = [k for k in keys if k not in fit]
+        if missing:
+            raise ValueError(f"the cost model lacks {', '.join(missing)}: write it with `afd bench costs --json FILE`")
+        return cls(*(max(0.0, float(fit[k])) for k in keys), transfer=float(fit.get("transfer", transfer)),
+                   ffn_expert=max(0.0, float(fit.get("ffn_expert", 0.0))),
+                   ffn_curve=tuple((int(n), float(t)) for n, t in fit.get("ffn_curve") or ()))
 
     def experts_touched(self, num_tokens: int) -> float:
         if not self.num_experts:

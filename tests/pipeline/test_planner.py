@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import itertools
 
 import pytest
@@ -77,7 +79,7 @@ def test_bad_arguments(m, policy, message):
         plan_microbatches([(0, 4)], m, policy)
 
 
-def test_cost_model_fit_feeds_the_planner(checkpoints):
+def test_cost_model_fit_feeds_the_planner(checkpoints, tmp_path):
     from afd.cli.bench_costs import fit
     from afd.config import PipelineConfig
     from afd.models import load_model
@@ -85,20 +87,24 @@ def test_cost_model_fit_feeds_the_planner(checkpoints):
     model = load_model(checkpoints["ds-noqlora-greedy"][0], dtype="float32")[0]
     coef = fit(model, repeats=1)
     assert coef["attn_token"] >= 0 and coef["attn_context"] >= 0 and coef["ffn_token"] > 0
-    cost = (coef["attn_token"], coef["attn_context"], coef["ffn_token"])
-    PipelineConfig("async", 2, "token", cost=cost)
-    plan = plan_microbatches([(0, 300)], 2, "token", CostModel(*cost))
+    cost = CostModel.from_fit(coef)
+    assert PipelineConfig("async", 4, "token", cost=cost, adaptive=True).cost is cost
+    plan = plan_microbatches([(0, 300)], 2, "token", cost)
     assert plan.num_microbatches == 2
-    with pytest.raises(ValueError, match="cost must be 3, 6 or 7"):
-        PipelineConfig("async", 2, "token", cost=(1.0, -1.0, 1.0))
-    with pytest.raises(ValueError, match="needs all six costs"):  # per-token seconds with relative fixed costs: nonsense
-        PipelineConfig("async", 2, "token", cost=cost, adaptive=True)
-    full = cost + (coef["attn_call"], coef["ffn_call"], 1e-4, coef["ffn_expert"])
-    assert min(full) >= 0 and PipelineConfig("async", 4, "token", cost=full, adaptive=True).adaptive
-    curve = tuple((n, t) for n, t in coef["ffn_curve"])
+    assert cost.transfer == 100e-6  # the fit measures compute; the message cost is the default's
+    with pytest.raises(ValueError, match="lacks attn_call, ffn_call: write it with `afd bench costs"):
+        CostModel.from_fit({k: coef[k] for k in ("attn_token", "attn_context", "ffn_token")})  # fixed costs in another unit
+    with pytest.raises(ValueError, match="costs must be non-negative"):
+        CostModel(1.0, -1.0, 1.0)
+    curve = cost.ffn_curve
     assert [n for n, _ in curve] == sorted({n for n, _ in curve}) and all(t > 0 for _, t in curve)
-    measured = CostModel(*full, ffn_curve=curve)
-    assert measured.ffn_cost(curve[3][0]) == pytest.approx(curve[3][1])  # the curve, not the parametric fit
+    assert cost.ffn_cost(curve[3][0]) == pytest.approx(curve[3][1])  # the curve, not the parametric fit
+    from afd.cli.common import pipeline_from_args
+    from afd.cli.main import build_parser
+
+    (tmp_path / "costs.json").write_text(json.dumps(coef))  # as `afd bench costs --json` writes it
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--num-microbatches", "auto", "--cost-model", str(tmp_path / "costs.json")])
+    assert pipeline_from_args(args).cost == cost and pipeline_from_args(args).adaptive
 
 
 def test_small_steps_keep_fewer_microbatches_and_say_why():
