@@ -20,7 +20,9 @@ plan degrades to fewer pieces and says why in ``degraded`` -- never silently.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import Sequence
 
 POLICIES = ("request", "token")
@@ -207,43 +209,34 @@ def _partition(weights: Sequence[float], m: int) -> list[tuple[int, int]]:
 
 
 def _split_tokens(chunks: Sequence[tuple[int, int]], m: int, cost: CostModel) -> list[tuple[Span, ...]]:
-    """Token policy: exact min-max cut over the flat token sequence (binary search on the stage cost)."""
-    token_costs = [cost.token_cost(s + j) for s, n in chunks for j in range(n)]
-    owner = [(i, s + j) for i, (s, n) in enumerate(chunks) for j in range(n)]
-    if len(token_costs) <= 64:
-        bounds = _partition(token_costs, m)
-    else:
-        bounds = _greedy_bounds(token_costs, m)
+    """Token policy: exact min-max cut over the flat token sequence."""
+    costs = [cost.token_cost(s + j) for s, n in chunks for j in range(n)]
+    bounds = _partition(costs, m) if len(costs) <= 16 else _greedy_bounds(list(accumulate(costs, initial=0.0)), m)
+    starts = list(accumulate((n for _, n in chunks), initial=0))  # flat index of each chunk's first token
     groups = []
-    for a, b in bounds:
-        spans: list[Span] = []
-        for t in range(a, b):
-            seq, pos = owner[t]
-            if spans and spans[-1].seq == seq and spans[-1].start + spans[-1].length == pos:
-                last = spans[-1]
-                spans[-1] = Span(seq, last.start, last.length + 1)
-            else:
-                spans.append(Span(seq, pos, 1))
+    for a, b in bounds:  # the chunks that [a, b) overlaps, as spans
+        spans = []
+        for i in range(bisect_right(starts, a) - 1, len(chunks)):
+            lo, hi = max(a, starts[i]), min(b, starts[i + 1])
+            if lo >= hi:
+                break
+            spans.append(Span(i, chunks[i][0] + lo - starts[i], hi - lo))
         groups.append(tuple(spans))
     return groups
 
 
-def _greedy_bounds(weights: Sequence[float], m: int) -> list[tuple[int, int]]:
-    """Binary search on the largest group sum; greedy fill; then pad to exactly m non-empty groups."""
-    lo, hi = max(weights), sum(weights)
+def _greedy_bounds(prefix: Sequence[float], m: int) -> list[tuple[int, int]]:
+    """Min-max contiguous cut of the weights whose prefix sums are ``prefix``: binary search on the
+    largest group sum, each probe a greedy fill by bisection (O(m log n)); then pad to exactly m groups."""
+    n = len(prefix) - 1
+    lo, hi = max(prefix[i + 1] - prefix[i] for i in range(n)), prefix[-1]
     for _ in range(60):
         mid = (lo + hi) / 2
-        if _groups_needed(weights, mid) <= m:
+        if len(_fill(prefix, mid, m + 1)) <= m:
             hi = mid
         else:
             lo = mid
-    bounds, start, acc = [], 0, 0.0
-    for i, w in enumerate(weights):
-        if acc + w > hi and i > start:
-            bounds.append((start, i))
-            start, acc = i, 0.0
-        acc += w
-    bounds.append((start, len(weights)))
+    bounds = _fill(prefix, hi, n)
     while len(bounds) < m:  # split the largest group (cannot raise the maximum)
         k = max(range(len(bounds)), key=lambda j: bounds[j][1] - bounds[j][0])
         a, b = bounds[k]
@@ -252,13 +245,16 @@ def _greedy_bounds(weights: Sequence[float], m: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _groups_needed(weights: Sequence[float], limit: float) -> int:
-    groups, acc = 1, 0.0
-    for w in weights:
-        if acc + w > limit:
-            groups, acc = groups + 1, 0.0
-        acc += w
-    return groups
+def _fill(prefix: Sequence[float], limit: float, most: int) -> list[tuple[int, int]]:
+    """Greedy groups of sum <= ``limit`` (at least one weight each); stops after ``most`` groups."""
+    n, bounds, start = len(prefix) - 1, [], 0
+    while start < n and len(bounds) < most:
+        end = max(start + 1, bisect_right(prefix, prefix[start] + limit, start + 1) - 1)
+        bounds.append((start, end))
+        start = end
+    if start < n:
+        bounds.append((start, n))  # more groups than asked: the caller only counts them
+    return bounds
 
 
 # ----------------------------------------------------------------------------- choosing m
