@@ -243,38 +243,40 @@ class Frontend:
                 log.exception("front end pump failed")
                 self._fail(f"front end failed: {e}")
                 return
+            batch = []  # everything of this round reaches the event loop in one wake-up, not one per token
             for replica, msg in events:
                 kind = msg[0]
                 if kind == "deltas":
                     self._update_stats(replica, msg[2])
-                    for d in msg[1]:
-                        self._deliver(d.tag, d)
+                    batch.extend((d.tag, d) for d in msg[1])
                 elif kind == "rejected":
-                    self._deliver(msg[1], RequestRejected(msg[2]))
+                    batch.append((msg[1], RequestRejected(msg[2])))
                 elif kind in ("stats", "stopped"):
                     self._update_stats(replica, msg[1])
+            if batch:
+                self.loop.call_soon_threadsafe(self._put_all, batch)
 
     def _update_stats(self, replica: int, stats: dict) -> None:
         if "expert_tokens" not in stats:  # the per-expert counters ride along only now and then
             stats["expert_tokens"] = self.replica_stats[replica].get("expert_tokens")
         self.replica_stats[replica] = stats
 
-    def _deliver(self, rid: int, item) -> None:
-        self.loop.call_soon_threadsafe(self._put, rid, item)
-
-    def _put(self, rid: int, item) -> None:
-        stream = self._streams.get(rid)
-        if stream is None:
-            return  # the request was aborted meanwhile
-        if self.metrics is not None and isinstance(item, TokenDelta):
-            now = time.perf_counter()
-            self.metrics.token(stream, now)
-            stream.last_token_at = now
-            if item.finish_reason is not None:
-                self.metrics.request_finished(item.finish_reason, stream)
-        if isinstance(item, TokenDelta) and item.finish_reason is not None:
-            stream.finished = True  # counted here: a consumer cancelled before reading it must not count it again
-        stream.queue.put_nowait(item)
+    def _put_all(self, batch: list[tuple[int, object]]) -> None:
+        """Hand each (request id, delta or error) to its stream. Event-loop thread."""
+        now = time.perf_counter()
+        for rid, item in batch:
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue  # the request was aborted meanwhile
+            if isinstance(item, TokenDelta):
+                if self.metrics is not None:
+                    self.metrics.token(stream, now)
+                    stream.last_token_at = now
+                    if item.finish_reason is not None:
+                        self.metrics.request_finished(item.finish_reason, stream)
+                if item.finish_reason is not None:
+                    stream.finished = True  # counted here: a consumer cancelled before reading it must not count it again
+            stream.queue.put_nowait(item)
 
     def abort_all(self, reason: str) -> None:
         """End every in-flight request with a 503 error (shutdown deadline reached). Event-loop thread."""
