@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import select
 import socket
 import struct
@@ -37,6 +38,8 @@ from afd.connectors.protocol import Header, ProtocolError, Role
 from afd.connectors.transport import ConnectorTimeout, Mailbox, PeerDiedError
 
 _FRAME = struct.Struct("<IQ")  # header length, payload length
+OP_TIMEOUT_S = 600.0  # the process group's per-operation limit (at least the connect timeout)
+CLOSE_GRACE_S = 5.0  # how long close() lets sends in flight finish
 
 
 def global_rank(role: Role, index: int, num_attention: int) -> int:
@@ -76,10 +79,16 @@ class TorchMailbox(Mailbox):
         if backend != "gloo":  # payloads stay on the accelerator: NCCL / HCCL move device memory
             self.wire_device = self.device
             torch.get_device_module(self.device.type).set_device(self.device)
+            # connect every communicator up front (new_group splits the world one), so that no first
+            # send blocks the host while NCCL sets up; p2p on two-rank groups is serialized by design
             options["device_id"] = self.device
+            os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "0")
         td = datetime.timedelta(seconds=timeout)
         self.store = dist.TCPStore(master_addr, master_port, num_attention + num_ffn, is_master=False, timeout=td)
-        dist.init_process_group(backend, store=self.store, rank=self.me, world_size=num_attention + num_ffn, timeout=td, **options)
+        # the process group's timeout bounds every send and receive (NCCL's watchdog aborts the process
+        # past it); a hung peer is reported by the heartbeats well before (PeerSilentError)
+        dist.init_process_group(backend, store=self.store, rank=self.me, world_size=num_attention + num_ffn,
+                                timeout=max(td, datetime.timedelta(seconds=OP_TIMEOUT_S)), **options)
         # two groups per link, one per direction (see the module docstring), created by every rank in
         # the same order (new_group is collective)
         self._out: dict[int, object] = {}  # peer -> group this rank sends payloads on
@@ -146,7 +155,9 @@ class TorchMailbox(Mailbox):
                 work.wait()
             else:
                 self._pending.append((work, tensor))
-        self._reap()
+            # reaped here, on the thread that sends payloads: the heartbeat thread sends headers only and
+            # must not query CUDA events (a thread without a current device would open a context on GPU 0)
+            self._reap()
 
     def _reap(self) -> None:
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
@@ -182,12 +193,20 @@ class TorchMailbox(Mailbox):
 
     def close(self) -> None:
         self.stop_heartbeats()
-        for work, _ in self._pending:
-            try:
-                work.wait()
-            except RuntimeError:
-                pass  # the peer is gone; nothing left to deliver
-        self._pending.clear()
+        # let sends in flight finish (gloo: each wait ends or fails; NCCL: poll, since waiting only orders
+        # the stream), but not for ever: a peer that is gone never posts its receive
+        deadline = time.monotonic() + CLOSE_GRACE_S
+        while self._pending and time.monotonic() < deadline:
+            if self.backend == "gloo":
+                work, _ = self._pending.pop(0)
+                try:
+                    work.wait()
+                except RuntimeError:
+                    pass  # the peer is gone; nothing left to deliver
+            else:
+                self._reap()
+                time.sleep(0.001)
+        stuck, self._pending = bool(self._pending), []
         for s in self.socks.values():
             # half-close, then read what the peer still sends until its FIN: closing a socket with
             # unread data makes the kernel send RST, and an RST can destroy our own last frames
@@ -205,7 +224,11 @@ class TorchMailbox(Mailbox):
                 pass
         self.socks.clear()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if stuck and self.backend != "gloo" and abort is not None:
+                abort()  # a clean destroy would wait on the stuck sends until the watchdog kills us
+            else:
+                dist.destroy_process_group()
 
 
 def _read_exact(sock: socket.socket, n: int, me: str, peer: str) -> bytes:

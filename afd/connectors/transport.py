@@ -124,6 +124,8 @@ class Mailbox(ABC):
         return rank_name(self.peer_role, peer)
 
     def send(self, peer: int, message: Message) -> None:
+        """Send to one peer. The message's tensors may still be read after this returns (an accelerator
+        transport sends asynchronously, without a copy): never modify them in place afterwards."""
         header_bytes, tensors = encode(message)
         payload = [flat_bytes(t.to(self.wire_device)) for t in tensors]  # 1-d uint8, views where possible
         if self.fault is not None and message.header.kind == Kind.WORK:
