@@ -211,15 +211,15 @@ class LLMEngine:
                 start += n
 
     def _check_stop(self, req: Request, token: int) -> str | None:
-        if token in self.eos_ids and not req.params.ignore_eos:
-            self._update_text(req)
-            return "stop"
+        checked = len(req.decoded.text)  # text up to here is final and was searched for stop strings
         self._update_text(req)
+        if token in self.eos_ids and not req.params.ignore_eos:
+            return "stop"
         if req.params.stop:
-            hits = [(req.output_text.find(s), s) for s in req.params.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
+            start = max(0, checked - max(len(s) for s in req.params.stop) + 1)  # a stop string may straddle it
+            hits = [i for i in (req.output_text.find(s, start) for s in req.params.stop) if i >= 0]
             if hits:
-                req.output_text = req.output_text[: min(hits)[0]]
+                req.output_text = req.output_text[: min(hits)]
                 return "stop"
         if len(req.output_ids) >= req.params.max_tokens:
             return "length"
@@ -229,7 +229,7 @@ class LLMEngine:
 
     def _update_text(self, req: Request) -> None:
         if self.tokenizer is not None:
-            req.output_text = self.tokenizer.decode(req.output_ids)
+            req.output_text = self.tokenizer.decode_more(req.output_ids, req.decoded)
 
     def _output(self, req: Request) -> RequestOutput:
         self._requests.pop(req.request_id, None)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from afd.config import SamplingParams
+from afd.engine.tokenizer import DecodeState
 
 
 class Status(enum.Enum):
@@ -31,6 +32,7 @@ class Request:
     num_preemptions: int = 0
     tag: int = -1  # the caller's name for it (captures are keyed by it); defaults to request_id
     text_sent: int = 0  # characters of output_text already streamed (see LLMEngine.step_deltas)
+    decoded: DecodeState = field(default_factory=DecodeState)  # incremental detokenization of output_ids
 
     @property
     def all_ids(self) -> list[int]:

@@ -9,6 +9,7 @@ prepended (what transformers' Llama-style fast tokenizers do).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -45,6 +46,31 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_more(self, ids: list[int], state: "DecodeState") -> str:
+        """``decode(ids)`` for a token list that only grows, decoding a window of recent tokens per call
+        instead of everything (O(n) over a request, not O(n^2)).
+
+        The window starts at a token after which the text was complete (``state.prefix``): its decode
+        minus that of the already-committed tokens (``prefix..read``) is the new text. A tail that ends
+        in an incomplete UTF-8 character (U+FFFD) is returned but not committed, so the next token can
+        complete it; after 8 tokens it is committed as it is (a character is at most 4 bytes)."""
+        prefix = self.decode(ids[state.prefix : state.read])
+        tail = self.decode(ids[state.prefix :])[len(prefix) :]
+        if tail and (not tail.endswith("\ufffd") or len(ids) - state.read >= 8):
+            state.text += tail
+            state.prefix, state.read = state.read, len(ids)
+            tail = ""
+        return state.text + tail
+
+
+@dataclass(slots=True)
+class DecodeState:
+    """Where :meth:`Tokenizer.decode_more` stands on one growing token list."""
+
+    text: str = ""  # committed text: the decode of ids[:read]
+    prefix: int = 0  # the decode window starts here
+    read: int = 0
 
 
 def _token_str(value) -> str | None:
