@@ -64,10 +64,15 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w_kv_b.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)  # [nh, dn, R], [nh, dv, R]
         q_latent = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, nh, R]
         query = meta.pad(torch.cat((q_latent, q_pe), dim=-1)).transpose(1, 2)  # [S, nh, Q, R + dr]
-        key = ctx[:, None]  # [S, 1, L, R + dr]: one latent key shared by all heads
+        s, q_len = query.shape[0], query.shape[2]
+        # one latent key and value shared by every head (MQA in the latent space): fold the heads into
+        # the query axis, [S, 1, nh*Q, R + dr], so the keys are read once instead of expanded per head
+        query = query.reshape(s, 1, nh * q_len, -1)
+        key = ctx[:, None]  # [S, 1, L, R + dr]
         value = ctx[:, None, :, : mla.kv_lora_rank]  # [S, 1, L, R]
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=meta.mask, scale=self.scale, enable_gqa=True)
-        out_latent = meta.unpad(out.transpose(1, 2))  # [T, nh, R]
+        mask = meta.mask.repeat(1, 1, nh, 1)  # row h*Q + q is query q of head h
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale)
+        out_latent = meta.unpad(out.view(s, nh, q_len, -1).transpose(1, 2))  # [T, nh, R]
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv).reshape(t, nh * mla.v_head_dim)
         return self.o_proj(out)
 
