@@ -194,7 +194,7 @@ class Message:
 
 
 def make_message(header: Header, tensors: dict[TensorName, torch.Tensor]) -> Message:
-    """Fill the header's tensor table from the tensors (CPU, contiguous)."""
+    """Fill the header's tensor table from the tensors (any device; made contiguous when sent)."""
     if not tensors:
         return Message(header, {})
     specs = tuple(TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors.items())

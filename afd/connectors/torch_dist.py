@@ -1,6 +1,6 @@
 """``torch`` transport: torch.distributed point-to-point for payloads, a TCP control channel for headers.
 
-* Backend (:func:`afd.distributed.devices.backend_for`): NCCL when every rank is
+* Backend (:func:`afd.distributed.topology.backend_for`): NCCL when every rank is
   on CUDA, HCCL when every rank is on an Ascend NPU; payloads then move
   device to device. Otherwise gloo, with payloads staged through host memory.
 * Rendezvous: a ``TCPStore`` hosted by the launcher (or node 0's launcher in a
@@ -38,7 +38,7 @@ from afd.connectors.protocol import Header, ProtocolError, Role
 from afd.connectors.transport import ConnectorTimeout, Mailbox, PeerDiedError
 
 _FRAME = struct.Struct("<IQ")  # header length, payload length
-OP_TIMEOUT_S = 600.0  # the process group's per-operation limit (at least the connect timeout)
+OP_TIMEOUT_S = 600.0  # NCCL/HCCL: the process group's per-operation limit (at least the connect timeout)
 CLOSE_GRACE_S = 5.0  # how long close() lets sends in flight finish
 
 
@@ -85,10 +85,12 @@ class TorchMailbox(Mailbox):
             os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "0")
         td = datetime.timedelta(seconds=timeout)
         self.store = dist.TCPStore(master_addr, master_port, num_attention + num_ffn, is_master=False, timeout=td)
-        # the process group's timeout bounds every send and receive (NCCL's watchdog aborts the process
-        # past it); a hung peer is reported by the heartbeats well before (PeerSilentError)
+        # on NCCL/HCCL the process group's timeout bounds every send and receive (the watchdog aborts the
+        # process past it): longer than any legitimate wait; a hung peer is reported by the heartbeats
+        # well before (PeerSilentError). On gloo it stays the connect timeout.
+        op_timeout = td if backend == "gloo" else max(td, datetime.timedelta(seconds=OP_TIMEOUT_S))
         dist.init_process_group(backend, store=self.store, rank=self.me, world_size=num_attention + num_ffn,
-                                timeout=max(td, datetime.timedelta(seconds=OP_TIMEOUT_S)), **options)
+                                timeout=op_timeout, **options)
         # two groups per link, one per direction (see the module docstring), created by every rank in
         # the same order (new_group is collective)
         self._out: dict[int, object] = {}  # peer -> group this rank sends payloads on
@@ -200,9 +202,9 @@ class TorchMailbox(Mailbox):
             if self.backend == "gloo":
                 work, _ = self._pending.pop(0)
                 try:
-                    work.wait()
+                    work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
                 except RuntimeError:
-                    pass  # the peer is gone; nothing left to deliver
+                    pass  # the peer is gone (or stopped reading); nothing left to deliver
             else:
                 self._reap()
                 time.sleep(0.001)

@@ -53,11 +53,16 @@ class Tokenizer:
 
         The window starts at a token after which the text was complete (``state.prefix``): its decode
         minus that of the already-committed tokens (``prefix..read``) is the new text. A tail that ends
-        in an incomplete UTF-8 character (U+FFFD) is returned but not committed, so the next token can
-        complete it; after 8 tokens it is committed as it is (a character is at most 4 bytes)."""
+        in an incomplete UTF-8 character (U+FFFD) is returned but never committed, so later tokens can
+        complete it (the window grows while they do not).
+
+        Equal to ``decode(ids)`` at every step for byte-level BPE (DeepSeek, Qwen). For SentencePiece
+        byte fallback it is equal whenever the text ends in a complete character; while one is
+        incomplete (or on invalid bytes) a full decode turns the whole run of byte tokens into U+FFFD,
+        where this keeps the characters of the run that were already complete."""
         prefix = self.decode(ids[state.prefix : state.read])
         tail = self.decode(ids[state.prefix :])[len(prefix) :]
-        if tail and (not tail.endswith("\ufffd") or len(ids) - state.read >= 8):
+        if not tail.endswith("\ufffd"):  # also when the new tokens decode to nothing (skipped specials)
             state.text += tail
             state.prefix, state.read = state.read, len(ids)
             tail = ""

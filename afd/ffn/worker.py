@@ -65,7 +65,7 @@ class FFNWorker:
         return out
 
     def _count_gemms(self, ids: torch.Tensor) -> None:
-        held = torch.tensor(self.model.expert_ids, dtype=ids.dtype)
+        held = torch.tensor(self.model.expert_ids, dtype=ids.dtype, device=ids.device)
         mine = ids[torch.isin(ids, held)]
         if mine.numel():
             counts = torch.bincount(mine)

@@ -72,7 +72,7 @@ class MLAttention(nn.Module):
         value = ctx[:, None, :, : mla.kv_lora_rank]  # [S, 1, L, R]
         mask = meta.mask.repeat(1, 1, nh, 1)  # row h*Q + q is query q of head h
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale)
-        out_latent = meta.unpad(out.view(s, nh, q_len, -1).transpose(1, 2))  # [T, nh, R]
+        out_latent = meta.unpad(out.reshape(s, nh, q_len, -1).transpose(1, 2))  # [T, nh, R]
         out = torch.einsum("thr,hvr->thv", out_latent, w_uv).reshape(t, nh * mla.v_head_dim)
         return self.o_proj(out)
 

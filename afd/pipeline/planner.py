@@ -20,6 +20,7 @@ plan degrades to fewer pieces and says why in ``degraded`` -- never silently.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from dataclasses import dataclass, replace
 from itertools import accumulate
@@ -53,7 +54,7 @@ class CostModel:
 
     def __post_init__(self) -> None:
         coefficients = (self.attn_token, self.attn_context, self.ffn_token, self.attn_call, self.ffn_call, self.transfer, self.ffn_expert)
-        if min(coefficients) < 0 or max(self.attn_token, self.attn_context, self.ffn_token) <= 0:
+        if not all(math.isfinite(c) and c >= 0 for c in coefficients) or max(self.attn_token, self.attn_context, self.ffn_token) <= 0:
             raise ValueError(f"costs must be non-negative with a positive per-token cost, got {coefficients}")
         ns = [n for n, _ in self.ffn_curve]
         if ns and (ns != sorted(set(ns)) or ns[0] < 1 or min(c for _, c in self.ffn_curve) < 0):
@@ -67,7 +68,7 @@ class CostModel:
         missing = [k for k in keys if k not in fit]
         if missing:
             raise ValueError(f"the cost model lacks {', '.join(missing)}: write it with `afd bench costs --json FILE`")
-        return cls(*(max(0.0, float(fit[k])) for k in keys), transfer=float(fit.get("transfer", transfer)),
+        return cls(*(max(0.0, float(fit[k])) for k in keys), transfer=max(0.0, float(fit.get("transfer", transfer))),
                    ffn_expert=max(0.0, float(fit.get("ffn_expert", 0.0))),
                    ffn_curve=tuple((int(n), float(t)) for n, t in fit.get("ffn_curve") or ()))
 
@@ -150,16 +151,16 @@ def plan_microbatches(
         raise ValueError(f"num_microbatches must be in [1, {MAX_MICROBATCHES}], got {num_microbatches}")
     if not chunks or any(n < 1 for _, n in chunks):
         raise ValueError("a step needs at least one sequence chunk, each with >= 1 token")
-    units = _units(chunks, policy)  # indivisible pieces, in order: (seq, start, length)
     if min_tokens < 1:
         raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
     m = num_microbatches
     degraded = None
-    if m > len(units):
-        what = "tokens" if policy == "token" else "requests"
-        degraded = f"{m} micro-batches requested, only {len(units)} {what} in the step: running {len(units)}"
-        m = len(units)
     total = sum(n for _, n in chunks)
+    units = total if policy == "token" else len(chunks)  # indivisible pieces: tokens, or requests
+    if m > units:
+        what = "tokens" if policy == "token" else "requests"
+        degraded = f"{m} micro-batches requested, only {units} {what} in the step: running {units}"
+        m = units
     if m > 1 and total < m * min_tokens:
         fewer = max(1, total // min_tokens)
         degraded = f"{m} micro-batches requested, {total} tokens < {m} x {min_tokens} (min tokens per micro-batch): running {fewer}"
@@ -167,24 +168,21 @@ def plan_microbatches(
     if policy == "token":
         groups = _split_tokens(chunks, m, cost)
     else:
-        weights = [cost.span_cost(s, n) for _, s, n in units]
-        bounds = _partition(weights, m)
-        groups = [tuple(Span(*units[i]) for i in range(a, b)) for a, b in bounds]
+        bounds = _cut([cost.span_cost(s, n) for s, n in chunks], m)
+        groups = [tuple(Span(i, *chunks[i]) for i in range(a, b)) for a, b in bounds]
     costs = tuple(sum(cost.span_cost(sp.start, sp.length) for sp in g) for g in groups)
     return MicrobatchPlan(tuple(groups), costs, num_microbatches, policy, degraded)
 
 
-def _units(chunks: Sequence[tuple[int, int]], policy: str) -> list[tuple[int, int, int]]:
-    if policy == "request":
-        return [(i, s, n) for i, (s, n) in enumerate(chunks)]
-    return [(i, s + j, 1) for i, (s, n) in enumerate(chunks) for j in range(n)]
+def _cut(weights: Sequence[float], m: int) -> list[tuple[int, int]]:
+    """Contiguous min-max partition into exactly m groups: exact DP when small, bisection otherwise."""
+    return _partition(weights, m) if len(weights) <= 16 else _greedy_bounds(list(accumulate(weights, initial=0.0)), m)
 
 
 def _partition(weights: Sequence[float], m: int) -> list[tuple[int, int]]:
     """Contiguous partition of ``weights`` into exactly m non-empty groups minimising the largest sum.
 
-    Exact O(n^2 m) dynamic programme over prefix sums (n here is requests, or
-    tokens of small steps; large token splits use :func:`_split_tokens`).
+    Exact O(n^2 m) dynamic programme over prefix sums, for small n (:func:`_cut`).
     """
     n = len(weights)
     prefix = [0.0]
@@ -210,8 +208,7 @@ def _partition(weights: Sequence[float], m: int) -> list[tuple[int, int]]:
 
 def _split_tokens(chunks: Sequence[tuple[int, int]], m: int, cost: CostModel) -> list[tuple[Span, ...]]:
     """Token policy: exact min-max cut over the flat token sequence."""
-    costs = [cost.token_cost(s + j) for s, n in chunks for j in range(n)]
-    bounds = _partition(costs, m) if len(costs) <= 16 else _greedy_bounds(list(accumulate(costs, initial=0.0)), m)
+    bounds = _cut([cost.token_cost(s + j) for s, n in chunks for j in range(n)], m)
     starts = list(accumulate((n for _, n in chunks), initial=0))  # flat index of each chunk's first token
     groups = []
     for a, b in bounds:  # the chunks that [a, b) overlaps, as spans

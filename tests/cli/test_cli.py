@@ -135,3 +135,28 @@ def test_monolithic_on_cuda_equals_cpu():
     ref, gaps = greedy_with_gaps(model, Tokenizer(BUILTIN_MODEL).encode("ROMEO:"), 24)
     report = compare_greedy(ref, got, gaps)
     assert report.ok, str(report)
+
+
+def test_bench_pipeline_and_connector_report_consistent_figures(tmp_path):
+    """Both benchmarks run end to end on small settings; their JSON holds figures that fit together."""
+    from afd.cli.common import BUILTIN_MODEL
+
+    out = tmp_path / "pipeline.json"
+    res = afd("bench", "pipeline", str(BUILTIN_MODEL), "--runs", "1", "--num-seqs", "2", "--prompt-len", "16", "--new-tokens", "2",
+              "--json", str(out))
+    assert "summary:" in res.stdout and "vs sync" in res.stdout
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"sync", "async m=2", "async m=2, min 16 tok", "async auto (m<=2)", "monolithic (2 threads)"}
+    for name, r in results.items():
+        assert r["step_s"] > 0, name
+        if "attention_busy" in r:
+            assert 0 < r["attention_busy"] <= 1 and 0 <= r["bubble"] <= 1 and abs(r["attention_busy"] + r["bubble"] - 1) < 0.02, (name, r)
+            assert 0 < r["ffn_busy"] <= 1 and r["mean_gemm_rows"] >= 1, (name, r)
+    assert results["sync"]["mean_in_flight"] <= 1.0  # sync never has two dispatches out
+    assert sum(results["async auto (m<=2)"]["steps_by_chosen_m"].values()) == 2  # one prefill step + one decode step
+
+    out = tmp_path / "connector.json"
+    afd("bench", "connector", "--tokens", "1,64", "--iters", "5", "--hidden", "256", "--json", str(out))
+    one_way = json.loads(out.read_text())["one_way_s"]
+    assert {"memcpy", "loopback", "shm", "torch", "raw gloo"} <= set(one_way)
+    assert all(len(v) == 2 and all(0 < t < 1 for t in v) for v in one_way.values()), one_way

@@ -29,12 +29,12 @@ class E2ECase:
 
     @property
     def needs(self) -> dict[str, int]:
-        """Accelerator kind -> devices this case needs (its test marker)."""
+        """Accelerator kind -> devices this case needs (its test marker): the highest index named, plus one."""
         out: dict[str, int] = {}
         for d in ",".join(self.placed or ()).split(","):
-            kind = d.partition(":")[0]
+            kind, _, index = d.partition(":")
             if kind in ("cuda", "npu"):
-                out[kind] = out.get(kind, 0) + 1
+                out[kind] = max(out.get(kind, 0), int(index) + 1)
         return out
 
 

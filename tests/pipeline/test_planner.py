@@ -57,6 +57,22 @@ def test_cost_is_within_rounding_of_the_brute_force_optimum(chunks, m, policy):
     assert max(plan.costs) <= brute_force(weights, k) * (1 + 1e-9)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(1e-6, 1e3), min_size=17, max_size=60), st.integers(1, 8))
+def test_bisection_cut_equals_the_exact_programme(weights, m):
+    """Above 16 pieces the cut is found by bisection: exactly m contiguous non-empty groups covering every
+    piece, with the exact dynamic programme's largest group (within rounding)."""
+    from itertools import accumulate
+
+    from afd.pipeline.planner import _greedy_bounds, _partition
+
+    bounds = _greedy_bounds(list(accumulate(weights, initial=0.0)), m)
+    assert len(bounds) == m and bounds[0][0] == 0 and bounds[-1][1] == len(weights)
+    assert all(a < b for a, b in bounds) and all(b == a2 for (_, b), (a2, _) in zip(bounds, bounds[1:]))
+    worst = max(sum(weights[a:b]) for a, b in bounds)
+    assert worst <= max(sum(weights[a:b]) for a, b in _partition(weights, m)) * (1 + 1e-9)
+
+
 def test_token_split_of_one_long_prompt_gives_the_earlier_piece_more_tokens():
     plan = plan_microbatches([(0, 1000)], 2, "token", CostModel(attn_context=0.01))
     first, second = (sum(sp.length for sp in piece) for piece in plan.pieces)
