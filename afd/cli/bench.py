@@ -40,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--new-tokens", type=int, default=64)
     g.add_argument("--runs", type=int, default=5)
     g.add_argument("--warmup", type=int, default=1)
+    g.add_argument("--device", default="cpu", help="cpu (default), cuda:N or npu:N")
     g.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
     g.set_defaults(func=run_generate)
     from afd.cli import bench_connector, bench_costs, bench_pipeline, bench_serve
@@ -51,15 +52,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _load(args: argparse.Namespace):
+    from afd.distributed.devices import check_present
+    from afd.distributed.topology import parse_device
     from afd.models import WeightSelection, load_model
     from afd.models.synthetic import deepseek_v2_lite_shaped, random_model
 
+    check_present([parse_device(args.device)])
     if args.synthetic:
         dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
         raw = deepseek_v2_lite_shaped(num_layers=args.synthetic_layers)
-        return random_model(raw, dtype), f"synthetic {args.synthetic} ({args.synthetic_layers} layers, random)"
+        return random_model(raw, dtype).to(args.device), f"synthetic {args.synthetic} ({args.synthetic_layers} layers, random)"
     model_dir = resolve_model(args.model)
-    model, _ = load_model(model_dir, dtype=args.dtype, selection=WeightSelection.full())
+    model, _ = load_model(model_dir, dtype=args.dtype, selection=WeightSelection.full(), device=args.device)
     return model, str(model_dir)
 
 
@@ -72,7 +76,8 @@ def _one_run(model, args: argparse.Namespace, seed: int) -> tuple[float, float]:
     need = args.num_seqs * (args.prompt_len + args.new_tokens + 16)
     per_token = sum(torch.Size(s).numel() for s in model.kv_layout()) * model.config.num_layers * dtype.itemsize
     cache = cache_config_for(model, need * per_token, 16, dtype)
-    config = EngineConfig(cache=cache, max_num_seqs=args.num_seqs, max_num_batched_tokens=args.num_seqs * args.prompt_len)
+    config = EngineConfig(cache=cache, max_num_seqs=args.num_seqs, max_num_batched_tokens=args.num_seqs * args.prompt_len,
+                          device=args.device)  # each step ends by copying the logits to the host: steps are synchronous
     engine = LLMEngine(model, None, config)
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
@@ -115,6 +120,7 @@ def run_generate(args: argparse.Namespace) -> int:
         "decode_tok_s": decode_tokens / statistics.median(decode) if decode_tokens else 0.0,
         "decode_ms_per_step": 1e3 * statistics.median(decode) / max(1, args.new_tokens - 1),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "device": args.device,
         "date": date.today().isoformat(),
     }
     rows = [
