@@ -76,7 +76,7 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-ranks", type=int, help="shorthand: N attention ranks on CPU")
     g.add_argument("--ffn-ranks", type=int, help="shorthand: N FFN ranks on CPU")
     g.add_argument("--transport", choices=["loopback", "shm", "torch"], default="shm",
-                   help="loopback: ranks as threads of one process; shm: processes on this host (default); torch: torch.distributed (gloo on CPU)")
+                   help="loopback: ranks as threads of one process; shm: processes on this host (default); torch: torch.distributed (NCCL when every rank is on CUDA, HCCL on NPUs, else gloo)")
     g.add_argument("--gate", choices=["attention", "ffn"], default="attention", help="where the router runs (default attention: per-expert M2N routing)")
     g.add_argument("--mode", choices=["sync", "async"], default="async",
                    help="async (default): micro-batches ping-ponged so attention overlaps transfer and FFN work; sync: dispatch, then wait, per layer")
