@@ -84,6 +84,10 @@ class AttentionEndpoint:
             for r in range(t.num_ffn_ranks):
                 ops = Op.ROUTE | Op.ROUTED | (Op.SHARED if self._shared_here(r) else Op.NONE)
                 plan[r] = (all_rows, ops, {TensorName.HIDDEN: ffn_input})
+        elif t.num_ffn_ranks == 1:  # one FFN rank owns every expert: the whole batch, no routing by rank
+            ops = Op.ROUTED | (Op.SHARED if self._shared_here(0) else Op.NONE)
+            plan[0] = (all_rows, ops, {TensorName.HIDDEN: ffn_input, TensorName.EXPERT_IDS: routing.topk_ids.to(torch.int32),
+                                       TensorName.WEIGHTS: routing.topk_weights.float()})
         else:
             assert routing is not None
             owner = self.owner[routing.topk_ids]  # [T, k] FFN rank of each selected expert
@@ -152,6 +156,8 @@ class AttentionEndpoint:
         self.round_trips += 1
         self.round_trip_s += done - handle.sent_at
         self.wait_s += done - waited_from
+        if len(partial) == 1 and len(next(iter(handle.rows.values()))) == handle.num_tokens:
+            return next(iter(partial.values())).to(dtype)  # one rank had every row, in order: nothing to add
         total = torch.zeros(handle.num_tokens, hidden_size, dtype=dtype, device=self.device)
         for r in sorted(partial):  # fixed rank order, never arrival order
             total.index_add_(0, handle.rows[r], partial[r].to(dtype))
