@@ -5,6 +5,10 @@ it); inside a launch the workload runs ``--runs`` times after a warm-up.
 Reported per mode: median step time, attention busy % and bubble % (from the
 attention rank's runtime trace), FFN busy % and mean rows per expert GEMM
 (from the FFN rank), in-flight depth; then the speed-ups.
+
+``--interleave``: every split mode on one launch, in rounds (each round runs
+each mode once), so a slow phase of a noisy machine hits every mode alike;
+only times are reported then.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--cost-model", help="costs for the 'async auto' row (JSON of afd bench costs; default: fitted here first)")
     p.add_argument("--transfer-us", type=float, default=100.0, help="one-way message cost the auto row assumes when fitting here (default 100)")
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--interleave", action="store_true", help="run the split modes on one launch, round by round (times only)")
     p.add_argument("--json", dest="json_out")
     p.set_defaults(func=run)
 
@@ -90,6 +95,28 @@ def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict
         "fill_drain": statistics.median(edges),
         **({"steps_by_chosen_m": dict(sorted(chosen.items()))} if chosen else {}),
     }
+
+
+def _run_interleaved(model_dir: Path, args, pipelines: dict[str, PipelineConfig], prompts) -> dict[str, dict]:
+    """Every split mode on one launch, one run of each per round after a warm-up of each: medians of step time."""
+    from afd.distributed.topology import Topology, parse_devices
+    from afd.engine.launcher import Cluster
+    from afd.engine.ranks import EngineArgs
+
+    topo = Topology(parse_devices(args.attention_devices), parse_devices(args.ffn_devices), transport=args.transport)
+    engine = EngineArgs(dtype="auto", kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len))
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    times: dict[str, list[float]] = {name: [] for name in pipelines}
+    with Cluster(model_dir, topo, engine) as cluster:
+        for pipeline in pipelines.values():
+            cluster.generate(prompts, params, pipeline)  # warm-up
+        for r in range(args.runs):
+            for name, pipeline in pipelines.items():
+                t0 = time.perf_counter()
+                cluster.generate(prompts, params, pipeline)
+                times[name].append(time.perf_counter() - t0)
+            print(f"round {r}: " + ", ".join(f"{name} {t[-1]:.3f} s" for name, t in times.items()), file=sys.stderr)
+    return {name: {"step_s": statistics.median(t), "runs_s": t} for name, t in times.items()}
 
 
 def _fill_drain(events) -> float:
@@ -159,15 +186,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         prompts = _workload(load_model_config(model_dir).vocab_size, args)
         cost = _auto_costs(model_dir, args)
-        results = {
-            "sync": _run_split(model_dir, args, PipelineConfig("sync"), prompts),
-            f"async m={args.num_microbatches}": _run_split(model_dir, args, PipelineConfig("async", args.num_microbatches, args.split), prompts),
-            f"async m={args.num_microbatches}, min {args.min_microbatch_tokens} tok": _run_split(
-                model_dir, args, PipelineConfig("async", args.num_microbatches, args.split, min_microbatch_tokens=args.min_microbatch_tokens), prompts),
-            f"async auto (m<={args.num_microbatches})": _run_split(
-                model_dir, args, PipelineConfig("async", args.num_microbatches, args.split, cost=cost, adaptive=True), prompts),
-            "monolithic (2 threads)": _run_monolithic(model_dir, args, prompts),
+        m, split = args.num_microbatches, args.split
+        pipelines = {
+            "sync": PipelineConfig("sync"),
+            f"async m={m}": PipelineConfig("async", m, split),
+            f"async m={m}, min {args.min_microbatch_tokens} tok": PipelineConfig("async", m, split, min_microbatch_tokens=args.min_microbatch_tokens),
+            f"async auto (m<={m})": PipelineConfig("async", m, split, cost=cost, adaptive=True),
         }
+        if args.interleave:
+            results = _run_interleaved(model_dir, args, pipelines, prompts)
+        else:
+            results = {name: _run_split(model_dir, args, pipeline, prompts) for name, pipeline in pipelines.items()}
+        results["monolithic (2 threads)"] = _run_monolithic(model_dir, args, prompts)
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -189,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     auto = results[f"async auto (m<={args.num_microbatches})"]["step_s"]
     mono = results["monolithic (2 threads)"]["step_s"]
     print(f"summary: {label}; {args.attention_devices} attention / {args.ffn_devices} FFN over {args.transport}; "
-          f"{args.num_seqs} seqs x {args.prompt_len} prompt + {args.new_tokens} new, median of {args.runs}: "
+          f"{args.num_seqs} seqs x {args.prompt_len} prompt + {args.new_tokens} new, median of {args.runs}{' (interleaved)' if args.interleave else ''}: "
           f"async m={args.num_microbatches} {s_ / a:.2f}x vs sync ({s_ / a_min:.2f}x keeping steps under "
           f"{args.num_microbatches} x {args.min_microbatch_tokens} tokens whole; {s_ / auto:.2f}x choosing m per step), "
           f"{mono / a:.2f}x vs monolithic")
