@@ -155,6 +155,12 @@ def test_bench_pipeline_and_connector_report_consistent_figures(tmp_path):
     assert results["sync"]["mean_in_flight"] <= 1.0  # sync never has two dispatches out
     assert sum(results["async auto (m<=2)"]["steps_by_chosen_m"].values()) == 2  # one prefill step + one decode step
 
+    afd("bench", "pipeline", str(BUILTIN_MODEL), "--runs", "2", "--num-seqs", "2", "--prompt-len", "16", "--new-tokens", "2",
+        "--interleave", "--json", str(out))  # every split mode on one launch, round by round
+    results = json.loads(out.read_text())["results"]
+    split = {name: r for name, r in results.items() if name != "monolithic (2 threads)"}
+    assert len(split) == 4 and all(len(r["runs_s"]) == 2 and r["step_s"] == pytest.approx(sum(r["runs_s"]) / 2) for r in split.values())
+
     out = tmp_path / "connector.json"
     afd("bench", "connector", "--tokens", "1,64", "--iters", "5", "--hidden", "256", "--json", str(out))
     one_way = json.loads(out.read_text())["one_way_s"]
