@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
