@@ -21,7 +21,7 @@ from datetime import date
 
 import torch
 
-from afd.cli.common import print_table, resolve_model
+from afd.cli.common import device_arg, print_table, resolve_model
 from afd.config import SamplingParams
 
 SYNTHETIC = ("deepseek-v2-lite",)
@@ -52,12 +52,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from afd.distributed.devices import check_present
-    from afd.distributed.topology import parse_device
     from afd.models import WeightSelection, load_model
     from afd.models.synthetic import deepseek_v2_lite_shaped, random_model
 
-    check_present([parse_device(args.device)])
+    args.device = device_arg(args.device)  # checked before the (long) load
     if args.synthetic:
         dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
         raw = deepseek_v2_lite_shaped(num_layers=args.synthetic_layers)

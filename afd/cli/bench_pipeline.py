@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from afd.cli.common import print_table
-from afd.pipeline import CostModel
 from afd.config import PipelineConfig, SamplingParams
+from afd.pipeline import CostModel
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:
@@ -54,7 +54,8 @@ def _workload(vocab: int, args) -> list[list[int]]:
     return [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.num_seqs)]
 
 
-def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict:
+def _cluster(model_dir: Path, args, pipeline: PipelineConfig | None = None):
+    """The benchmark's 1A1F cluster (not started) and the workload's sampling parameters."""
     from afd.distributed.topology import Topology, parse_devices
     from afd.engine.launcher import Cluster
     from afd.engine.ranks import EngineArgs
@@ -62,8 +63,13 @@ def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict
     topo = Topology(parse_devices(args.attention_devices), parse_devices(args.ffn_devices), transport=args.transport)
     engine = EngineArgs(dtype="auto", kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len))
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    return Cluster(model_dir, topo, engine, pipeline=pipeline or PipelineConfig()), params
+
+
+def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict:
     times, busy, inflight, chosen, edges = [], [], [], {}, []
-    with Cluster(model_dir, topo, engine, pipeline=pipeline) as cluster:
+    cluster, params = _cluster(model_dir, args, pipeline)
+    with cluster:
         cluster.generate(prompts, params, pipeline)  # warm-up
         for _ in range(args.runs):
             cluster.request(0, ("trace", True), "trace")
@@ -99,15 +105,9 @@ def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict
 
 def _run_interleaved(model_dir: Path, args, pipelines: dict[str, PipelineConfig], prompts) -> dict[str, dict]:
     """Every split mode on one launch, one run of each per round after a warm-up of each: medians of step time."""
-    from afd.distributed.topology import Topology, parse_devices
-    from afd.engine.launcher import Cluster
-    from afd.engine.ranks import EngineArgs
-
-    topo = Topology(parse_devices(args.attention_devices), parse_devices(args.ffn_devices), transport=args.transport)
-    engine = EngineArgs(dtype="auto", kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len))
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     times: dict[str, list[float]] = {name: [] for name in pipelines}
-    with Cluster(model_dir, topo, engine) as cluster:
+    cluster, params = _cluster(model_dir, args)
+    with cluster:
         for pipeline in pipelines.values():
             cluster.generate(prompts, params, pipeline)  # warm-up
         for r in range(args.runs):

@@ -43,19 +43,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="monolithic runs: cpu (default), cuda:N or npu:N (disaggregated runs: --attention-devices / --ffn-devices)")
 
 
-def monolithic_engine(args: argparse.Namespace, model_dir: Path):
-    """The engine of a monolithic run, from the engine flags (``afd generate`` and ``afd serve``)."""
+def device_arg(text: str) -> str:
+    """``--device`` of a monolithic run -> a torch device string, once this host is known to have it."""
     from afd.distributed.devices import check_present
     from afd.distributed.topology import parse_device
-    from afd.engine.llm_engine import LLMEngine
 
-    device = parse_device(args.device)
+    device = parse_device(text)
     if device.cores:
         raise ValueError("--device takes cpu, cuda:N or npu:N; pin a monolithic run's cores with taskset")
     check_present([device])
+    return device.torch_device
+
+
+def monolithic_engine(args: argparse.Namespace, model_dir: Path):
+    """The engine of a monolithic run, from the engine flags (``afd generate`` and ``afd serve``)."""
+    from afd.engine.llm_engine import LLMEngine
+
     return LLMEngine.from_pretrained(model_dir, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                     device=device.torch_device)
+                                     device=device_arg(args.device))
 
 
 def setup_process(verbose: bool = False) -> None:
@@ -135,7 +141,6 @@ def topology_from_args(args: argparse.Namespace, num_experts: int):
 
 def pipeline_from_args(args: argparse.Namespace):
     from afd.config import PipelineConfig
-
     from afd.pipeline import CostModel
 
     cost = None

@@ -84,27 +84,29 @@ class AttentionEndpoint:
             for r in range(t.num_ffn_ranks):
                 ops = Op.ROUTE | Op.ROUTED | (Op.SHARED if self._shared_here(r) else Op.NONE)
                 plan[r] = (all_rows, ops, {TensorName.HIDDEN: ffn_input})
-        elif t.num_ffn_ranks == 1:  # one FFN rank owns every expert: the whole batch, no routing by rank
-            ops = Op.ROUTED | (Op.SHARED if self._shared_here(0) else Op.NONE)
-            plan[0] = (all_rows, ops, {TensorName.HIDDEN: ffn_input, TensorName.EXPERT_IDS: routing.topk_ids.to(torch.int32),
-                                       TensorName.WEIGHTS: routing.topk_weights.float()})
         else:
             assert routing is not None
-            owner = self.owner[routing.topk_ids]  # [T, k] FFN rank of each selected expert
+            # [T, k] FFN rank of each selected expert; with one FFN rank it owns them all (no lookup)
+            owner = self.owner[routing.topk_ids] if t.num_ffn_ranks > 1 else None
             for r in range(t.num_ffn_ranks):
-                mine = owner == r  # [T, k]
                 shared = self._shared_here(r)
-                rows = all_rows if shared else mine.any(dim=1).nonzero().flatten()
-                if rows.numel() == 0:
-                    continue
-                ids = torch.where(mine, routing.topk_ids, -1)[rows].to(torch.int32)
+                ids = routing.topk_ids
+                if owner is None:
+                    rows = all_rows
+                else:
+                    mine = owner == r  # [T, k]
+                    rows = all_rows if shared else mine.any(dim=1).nonzero().flatten()
+                    if rows.numel() == 0:
+                        continue
+                    ids = torch.where(mine, ids, -1)
+                whole = rows is all_rows  # the whole batch: sent as it is, no gathers
                 plan[r] = (
                     rows,
                     Op.ROUTED | (Op.SHARED if shared else Op.NONE),
                     {
-                        TensorName.HIDDEN: ffn_input[rows],
-                        TensorName.EXPERT_IDS: ids,
-                        TensorName.WEIGHTS: routing.topk_weights[rows].float(),
+                        TensorName.HIDDEN: ffn_input if whole else ffn_input[rows],
+                        TensorName.EXPERT_IDS: (ids if whole else ids[rows]).to(torch.int32),
+                        TensorName.WEIGHTS: (routing.topk_weights if whole else routing.topk_weights[rows]).float(),
                     },
                 )
         handle = DispatchHandle(seq, layer, microbatch, num_tokens, {r: rows for r, (rows, _, _) in plan.items()}, time.perf_counter())

@@ -22,9 +22,9 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from afd.connectors.faults import inject
 import torch
 
+from afd.connectors.faults import inject
 from afd.connectors.protocol import Header, Kind, Message, ProtocolError, Role, decode_payload, encode, flat_bytes, rank_name, tensor_bytes
 
 log = logging.getLogger(__name__)

@@ -32,6 +32,7 @@ class FFNWorker:
     def __init__(self, model: MoEModel, mailbox: Mailbox, num_attention_ranks: int, poll_interval: float = 1.0) -> None:
         self.model = model
         self.mailbox = mailbox
+        self._held = torch.tensor(model.expert_ids, device=mailbox.device)  # the expert ids this rank computes
         self.num_attention_ranks = num_attention_ranks
         self.poll_interval = poll_interval
         self.items_served = 0
@@ -65,8 +66,7 @@ class FFNWorker:
         return out
 
     def _count_gemms(self, ids: torch.Tensor) -> None:
-        held = torch.tensor(self.model.expert_ids, dtype=ids.dtype, device=ids.device)
-        mine = ids[torch.isin(ids, held)]
+        mine = ids[torch.isin(ids, self._held.to(ids.dtype))]
         if mine.numel():
             counts = torch.bincount(mine)
             self.expert_gemms += int((counts > 0).sum())
