@@ -24,7 +24,7 @@ import torch
 from afd.config import CacheConfig, PipelineConfig
 from afd.connectors.endpoints import AttentionEndpoint, DispatchHandle
 from afd.distributed.topology import Topology
-from afd.kvcache import AttentionMetadata, PagedKVCache, SeqChunk, build_attention_metadata
+from afd.kvcache import AttentionMetadata, PagedKVCache, SeqChunk, build_attention_metadata, last_token_rows
 from afd.models.base import MoEModel, Observer
 from afd.pipeline import Action, CostModel, MicrobatchPlan, choose_plan, plan_microbatches, ping_pong
 from afd.types import Routing
@@ -86,7 +86,7 @@ class DisaggregatedRunner:
         self.num_degraded_steps = 0  # steps whose plan could not form the micro-batches asked for
 
     # ------------------------------------------------------------------ planning
-    def _microbatches(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk]) -> tuple[list[_Microbatch], list[tuple[int, int]]]:
+    def _microbatches(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk]) -> list[_Microbatch]:
         cost = self.pipeline.cost or self.cost
         spans = [(c.start, c.length) for c in chunks]
         if self.pipeline.adaptive and self.pipeline.mode == "async":
@@ -113,28 +113,30 @@ class DisaggregatedRunner:
             offsets.append(acc)
             acc += c.length
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        last_rows: list[tuple[int, int]] = [(-1, -1)] * len(chunks)  # seq -> (micro-batch, row) of its last token
         mbs = []
         for k, piece in enumerate(plan.pieces):
-            rows, mb_chunks, n = [], [], 0
+            rows, mb_chunks = [], []
             for span in piece:
                 c = chunks[span.seq]
                 first = offsets[span.seq] + span.start - c.start
                 rows.append(ids[first : first + span.length])
                 mb_chunks.append(SeqChunk(c.block_table, span.start, span.length))
-                n += span.length
-                if span.start + span.length == c.end:
-                    last_rows[span.seq] = (k, n - 1)
             meta = build_attention_metadata(mb_chunks, self.cache_config.block_size, self.device)
             mbs.append(_Microbatch(k, torch.cat(rows), meta))
-        return mbs, last_rows
+        return mbs
 
     # ------------------------------------------------------------------ execution
-    @torch.inference_mode()
     def execute(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk], observer: Observer | None = None) -> torch.Tensor:
+        """Logits [S, V] fp32 of each chunk's last token."""
+        return self.model.head(self.run(token_ids, chunks, observer)[last_token_rows(chunks)])
+
+    @torch.inference_mode()
+    def run(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk], observer: Observer | None = None) -> torch.Tensor:
+        """One step through every layer, the FFN halves over the connector. Returns the last layer's
+        hidden states [T, H] of every token, in the batch's order (micro-batches are contiguous pieces)."""
         m = self.model
         self.seq += 1
-        mbs, last_rows = self._microbatches(token_ids, chunks)  # all metadata first
+        mbs = self._microbatches(token_ids, chunks)  # all metadata first
         for mb in mbs:
             mb.hidden = m.embed(mb.token_ids)
         record = observer is not None
@@ -150,10 +152,10 @@ class DisaggregatedRunner:
                 self._combine(mb, step.layer, record)
             if self.trace is not None:
                 self.trace.append(TraceEvent(t0, time.perf_counter(), step.action.value, step.microbatch, step.layer, self.seq, self.endpoint.num_in_flight))
+        hidden = torch.cat([mb.hidden for mb in mbs])
         if record:
-            self._emit(mbs, observer)
-        final = torch.stack([mbs[k].hidden[row] for k, row in last_rows])
-        return m.head(final)
+            self._emit(mbs, hidden, observer)
+        return hidden
 
     def _attention(self, mb: _Microbatch, layer: int, record: bool) -> None:
         m, t = self.model, self.topology
@@ -191,7 +193,7 @@ class DisaggregatedRunner:
         if record:
             mb.captured[(layer, "ffn_output")] = mb.hidden
 
-    def _emit(self, mbs: list[_Microbatch], observer: Observer) -> None:
+    def _emit(self, mbs: list[_Microbatch], hidden: torch.Tensor, observer: Observer) -> None:
         """Captured boundaries in the batch's token order (micro-batches are contiguous pieces of it)."""
         m = self.model
         for layer in range(m.config.num_layers):
@@ -199,4 +201,4 @@ class DisaggregatedRunner:
                 parts = [mb.captured[(layer, boundary)] for mb in mbs if (layer, boundary) in mb.captured]
                 if parts:
                     observer(layer, boundary, torch.cat(parts))
-        observer(m.config.num_layers, "final_hidden", m.model.norm(torch.cat([mb.hidden for mb in mbs])))
+        observer(m.config.num_layers, "final_hidden", m.model.norm(hidden))

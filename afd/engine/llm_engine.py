@@ -15,7 +15,7 @@ from tqdm import tqdm
 from afd.config import CacheConfig, EngineConfig, SamplingParams
 from afd.engine.request import Request, RequestOutput, Status, TokenDelta
 from afd.engine.runner import ModelRunner
-from afd.engine.sampling import make_generator, sample_one, token_logprobs
+from afd.engine.sampling import PROMPT_LOGITS_BYTES, PenaltyState, PositionLogprobs, logprobs_of, make_generator, sample
 from afd.engine.scheduler import Scheduler
 from afd.engine.tokenizer import Tokenizer
 from afd.kvcache import BlockManager, PagedKVCache
@@ -47,9 +47,10 @@ class LLMEngine:
         self.blocks = BlockManager(config.cache.num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = model.config.max_position_embeddings
-        self.eos_ids = set(model.config.eos_token_ids)
+        eos = set(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
-            self.eos_ids.add(tokenizer.eos_token_id)
+            eos.add(tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
         self._ids = itertools.count()
         self._seed_source = random.Random()
         self._requests: dict[int, Request] = {}
@@ -93,9 +94,12 @@ class LLMEngine:
             prompt_ids, text = list(prompt), ""
         if not prompt_ids:
             raise ValueError("empty prompt: give at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.model.config.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} outside the vocabulary [0, {self.model.config.vocab_size})")
+        vocab = self.model.config.vocab_size
+        for what, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", [t for t, _ in params.logit_bias])):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{what}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens does not fit the model's context of {self.max_model_len} tokens"
@@ -103,6 +107,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = Request(next(self._ids), text, prompt_ids, params, make_generator(seed))
         request.tag = request.request_id if tag is None else tag
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first prompt token has no context to be predicted from
         max_total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         self.scheduler.add(request, max_total)
         self._requests[request.request_id] = request
@@ -142,16 +148,21 @@ class LLMEngine:
         deltas = []
         for req, token, lp in self._step():
             done = req.status is Status.FINISHED
+            first = len(req.output_ids) <= 1  # the first delta carries the prompt logprobs
             deltas.append(TokenDelta(
                 req.request_id, req.tag, token, self._new_text(req, done),
-                logprob=lp[0] if lp else None, top_logprobs=lp[1] if lp else (),
+                logprob=lp.logprob if lp else None, top_logprobs=lp.top if lp else (),
                 finish_reason=req.finish_reason if done else None, num_prompt_tokens=len(req.prompt_ids),
+                stop_reason=req.stop_reason if done else None,
+                prompt_logprobs=tuple(req.prompt_logprobs) if first and req.prompt_logprobs is not None else None,
             ))
             if done:
                 self._requests.pop(req.request_id, None)
         return deltas
 
-    def _step(self) -> list[tuple[Request, int, tuple | None]]:
+    def _step(self) -> list[tuple[Request, int | None, PositionLogprobs | None]]:
+        """One step: (request, sampled token, its logprobs) for every request whose prompt is complete;
+        the token is None for a request that generates nothing (max_tokens 0)."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
@@ -165,35 +176,77 @@ class LLMEngine:
             def observer(layer: int, boundary: str, tensor: torch.Tensor) -> None:
                 values[(layer, boundary)] = tensor
 
-        logits = self.runner.execute(token_ids, [item.chunk for item in batch], observer).cpu()  # one copy off an accelerator
+        hidden = self.runner.run(token_ids, [item.chunk for item in batch], observer)  # [T, H]
         if self.capture is not None:
             self._record(batch, values)
-        sampled = []
-        for item, row in zip(batch, logits):
+        ready: list[tuple[int, Request]] = []  # (row of its last token, request) of requests that sample now
+        out: list[tuple[Request, int | None, PositionLogprobs | None]] = []
+        row = 0
+        for item in batch:
             req = item.request
+            if req.prompt_logprobs is not None:
+                self._score_prompt(req, item.chunk.start, hidden[row : row + item.chunk.length])
+            row += item.chunk.length
             req.num_computed += item.chunk.length
             if req.num_pending:
                 continue  # a chunk of a longer prompt: nothing to sample yet
-            token = sample_one(row, req.params, req.generator)
-            lp = token_logprobs(row, token, req.params.logprobs) if req.params.logprobs is not None else None
+            if req.params.max_tokens == 0:  # prompt logprobs only
+                self.scheduler.finish(req, "length")
+                out.append((req, None, None))
+            else:
+                ready.append((row - 1, req))
+        if ready:
+            out += self._sample([req for _, req in ready], self.model.head(hidden[[r for r, _ in ready]]).cpu())
+        self.num_steps += 1
+        self.busy_s += time.perf_counter() - t0
+        return out
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[Request, int, PositionLogprobs | None]]:
+        """logits [S, V] fp32 of the requests' last tokens -> each one's token, stop checks applied."""
+        for req in reqs:
+            if req.penalty is None and req.params.has_penalties:
+                req.penalty = PenaltyState.start(req.prompt_ids, req.output_ids, logits.shape[-1])
+        tokens = sample(logits, reqs, self.eos_ids)
+        wanted = [i for i, req in enumerate(reqs) if req.params.logprobs is not None]
+        lps: list[PositionLogprobs | None] = [None] * len(reqs)
+        if wanted:  # raw logprobs, one batched pass
+            n = max(reqs[i].params.logprobs for i in wanted)
+            for i, lp in zip(wanted, logprobs_of(logits[wanted], torch.tensor([tokens[i] for i in wanted]), n)):
+                lps[i] = lp._replace(top=lp.top[: reqs[i].params.logprobs])
+        out = []
+        for req, token, lp in zip(reqs, tokens, lps):
             req.output_ids.append(token)
+            if req.penalty is not None:
+                req.penalty.add(token)
             reason = self._check_stop(req, token)
             if reason:
                 self.scheduler.finish(req, reason)
-            sampled.append((req, token, lp))
-        self.num_steps += 1
-        self.busy_s += time.perf_counter() - t0
-        return sampled
+            out.append((req, token, lp))
+        return out
+
+    def _score_prompt(self, req: Request, start: int, hidden: torch.Tensor) -> None:
+        """Prompt logprobs from one chunk's hidden states [t, H] (positions start..start+t-1): position p
+        predicts prompt token p + 1. Positions already scored (before a preemption) are skipped; the
+        logits are computed a bounded slice of rows at a time."""
+        lo = max(start, len(req.prompt_logprobs) - 1)
+        hi = min(start + hidden.shape[0], len(req.prompt_ids) - 1)
+        step = max(1, PROMPT_LOGITS_BYTES // (4 * self.model.config.vocab_size))
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            logits = self.model.head(hidden[a - start : b - start])
+            targets = torch.tensor(req.prompt_ids[a + 1 : b + 1], device=logits.device)
+            req.prompt_logprobs.extend(logprobs_of(logits, targets, req.params.prompt_logprobs))
 
     def _new_text(self, req: Request, done: bool) -> str:
         """Output text not yet streamed. Until the end, hold back what may still change: an incomplete
         UTF-8 character at the tail, and the last len(stop) - 1 characters (a stop string may be forming,
-        and is never sent)."""
+        and is never sent unless include_stop_str_in_output)."""
         text = req.output_text
         if not done:
             text = text.rstrip("\ufffd")
-            hold = max((len(s) for s in req.params.stop), default=1) - 1
-            text = text[: max(0, len(text) - hold)]
+            if not req.params.include_stop_str_in_output:
+                hold = max((len(s) for s in req.params.stop), default=1) - 1
+                text = text[: max(0, len(text) - hold)]
         piece = text[req.text_sent :]
         req.text_sent = max(req.text_sent, len(text))
         return piece
@@ -211,25 +264,34 @@ class LLMEngine:
                 start += n
 
     def _check_stop(self, req: Request, token: int) -> str | None:
+        """Why ``req`` ends with ``token``, if it does (vLLM's rules): nothing but the length before
+        ``min_tokens``; EOS (unless ignore_eos) or a stop token, whose text is left out unless
+        include_stop_str_in_output; a stop string, cut from the text (or kept up to its end)."""
+        p = req.params
+        if len(req.output_ids) > p.min_tokens:
+            stop_token = token in p.stop_token_ids
+            if stop_token or (token in self.eos_ids and not p.ignore_eos):
+                if p.include_stop_str_in_output:
+                    self._update_text(req)
+                req.stop_reason = token if stop_token else None
+                return "stop"
         checked = len(req.decoded.text)  # text up to here is final and was searched for stop strings
         self._update_text(req)
-        if token in self.eos_ids and not req.params.ignore_eos:
-            return "stop"
-        if req.params.stop:
-            start = max(0, checked - max(len(s) for s in req.params.stop) + 1)  # a stop string may straddle it
-            hits = [i for i in (req.output_text.find(s, start) for s in req.params.stop) if i >= 0]
+        if p.stop and len(req.output_ids) > p.min_tokens:
+            start = max(0, checked - max(len(s) for s in p.stop) + 1)  # a stop string may straddle it
+            hits = [(i, s) for i, s in ((req.output_text.find(s, start), s) for s in p.stop) if i >= 0]
             if hits:
-                req.output_text = req.output_text[: min(hits)]
+                at, s = min(hits)
+                req.output_text = req.output_text[: at + len(s) if p.include_stop_str_in_output else at]
+                req.stop_reason = s
                 return "stop"
-        if len(req.output_ids) >= req.params.max_tokens:
-            return "length"
-        if req.num_tokens >= self.max_model_len:
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
 
     def _update_text(self, req: Request) -> None:
         if self.tokenizer is not None:
-            req.output_text = self.tokenizer.decode_more(req.output_ids, req.decoded)
+            req.output_text = self.tokenizer.decode_more(req.output_ids, req.decoded, req.params.skip_special_tokens)
 
     def _output(self, req: Request) -> RequestOutput:
         self._requests.pop(req.request_id, None)

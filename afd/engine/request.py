@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from afd.config import SamplingParams
+from afd.engine.sampling import PenaltyState, PositionLogprobs
 from afd.engine.tokenizer import DecodeState
 
 
@@ -29,10 +30,13 @@ class Request:
     num_computed: int = 0  # tokens whose KV is in the cache
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     tag: int = -1  # the caller's name for it (captures are keyed by it); defaults to request_id
     text_sent: int = 0  # characters of output_text already streamed (see LLMEngine.step_deltas)
     decoded: DecodeState = field(default_factory=DecodeState)  # incremental detokenization of output_ids
+    penalty: PenaltyState | None = None  # token counts, for requests with penalties (from their first sample)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token (the first: None), when asked
 
     @property
     def all_ids(self) -> list[int]:
@@ -61,13 +65,17 @@ class RequestOutput:
 @dataclass(frozen=True, slots=True)
 class TokenDelta:
     """What one step produced for one request: a token, the text it made visible, and, on the last one,
-    why the request ended. Streaming servers send these; ``text`` pieces concatenate to the final text."""
+    why the request ended. Streaming servers send these; ``text`` pieces concatenate to the final text.
+    A request's first delta carries its prompt logprobs when it asked for them; with ``max_tokens`` 0
+    that is its only delta, and it has no token (``token_id`` None)."""
 
     request_id: int
     tag: int
-    token_id: int
+    token_id: int | None
     text: str
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
+    stop_reason: int | str | None = None
+    prompt_logprobs: tuple[PositionLogprobs | None, ...] | None = None

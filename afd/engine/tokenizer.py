@@ -44,10 +44,14 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of ``token_id`` (e.g. "Ġthe" in byte-level BPE), not its decoded text."""
+        return self._tok.id_to_token(token_id)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def decode_more(self, ids: list[int], state: "DecodeState") -> str:
+    def decode_more(self, ids: list[int], state: "DecodeState", skip_special_tokens: bool = True) -> str:
         """``decode(ids)`` for a token list that only grows, decoding a window of recent tokens per call
         instead of everything (O(n) over a request, not O(n^2)).
 
@@ -60,8 +64,8 @@ class Tokenizer:
         byte fallback it is equal whenever the text ends in a complete character; while one is
         incomplete (or on invalid bytes) a full decode turns the whole run of byte tokens into U+FFFD,
         where this keeps the characters of the run that were already complete."""
-        prefix = self.decode(ids[state.prefix : state.read])
-        tail = self.decode(ids[state.prefix :])[len(prefix) :]
+        prefix = self.decode(ids[state.prefix : state.read], skip_special_tokens)
+        tail = self.decode(ids[state.prefix :], skip_special_tokens)[len(prefix) :]
         if not tail.endswith("\ufffd"):  # also when the new tokens decode to nothing (skipped specials)
             state.text += tail
             state.prefix, state.read = state.read, len(ids)

@@ -2,7 +2,7 @@
 
 from afd.kvcache.block_manager import BlockManager, OutOfBlocksError
 from afd.kvcache.cache import PagedKVCache
-from afd.kvcache.metadata import AttentionMetadata, SeqChunk, build_attention_metadata
+from afd.kvcache.metadata import AttentionMetadata, SeqChunk, build_attention_metadata, last_token_rows
 
 __all__ = [
     "AttentionMetadata",
@@ -11,4 +11,5 @@ __all__ = [
     "PagedKVCache",
     "SeqChunk",
     "build_attention_metadata",
+    "last_token_rows",
 ]

@@ -26,6 +26,15 @@ class SeqChunk:
         return self.start + self.length
 
 
+def last_token_rows(chunks: Sequence[SeqChunk]) -> list[int]:
+    """Flat index of each chunk's last token in a batch of the chunks' tokens, concatenated in order."""
+    rows, end = [], 0
+    for c in chunks:
+        end += c.length
+        rows.append(end - 1)
+    return rows
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Where a flat batch of T tokens from S sequences reads and writes KV.

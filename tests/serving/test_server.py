@@ -17,7 +17,7 @@ from afd.cli.common import BUILTIN_MODEL
 from afd.config import SamplingParams
 from afd.engine.llm_engine import LLMEngine
 from afd.kvcache import PagedKVCache
-from afd.serving.server import DEFAULT_CHAT_TEMPLATE
+from afd.serving.inputs import DEFAULT_CHAT_TEMPLATE
 from tests.serving.server_proc import MODEL_NAME, Server
 
 PROMPTS = ["ROMEO:", "KING.\nWhat say you", "To be"]
