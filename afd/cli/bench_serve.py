@@ -18,9 +18,7 @@ import json
 import random
 import shlex
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -129,35 +127,6 @@ def _percentiles(name: str, xs: list[float]) -> dict:
 # ----------------------------------------------------------------------------- servers
 
 
-class _Served:
-    """``afd serve`` on a free port for one configuration; stopped with SIGTERM, never left behind."""
-
-    def __init__(self, model_dir: Path, flags: list[str], log_path: Path) -> None:
-        cmd = [sys.executable, "-m", "afd.cli.main", "serve", str(model_dir), "--port", "0", *flags]
-        with open(log_path, "w") as log:  # the server's stderr, shown if it fails to start
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
-        from afd.serving.server import parse_listening_line
-
-        self.url = None
-        for line in self.proc.stdout:
-            if (listening := parse_listening_line(line)) is not None:
-                self.model, self.url = listening
-                break
-        if self.url is None:
-            self.proc.wait(10)
-            raise RuntimeError(f"afd serve {' '.join(flags)} exited ({self.proc.returncode}) before listening:\n"
-                               + log_path.read_text()[-2000:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
 def _synthetic(layers: int, root: Path) -> Path:
     from afd.cli.common import BUILTIN_MODEL
     from afd.engine.tokenizer import Tokenizer
@@ -173,6 +142,7 @@ def _synthetic(layers: int, root: Path) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from afd.engine.tokenizer import Tokenizer
+    from afd.serving.spawn import ServerProcess
 
     configs = []
     for c in args.config or DEFAULT_CONFIGS:
@@ -186,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         work = workload(args, Tokenizer(model_dir).vocab_size)
         rows, results = [], {}
         for name, flags in ([("url", [])] if args.url else configs):
-            server = None if args.url else _Served(model_dir, flags, tmp / f"{name}.log")
+            server = None if args.url else ServerProcess(model_dir, *flags)
             try:
                 url, model = (args.url, None) if server is None else (server.url, server.model)
                 if model is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from afd.config import CacheConfig, EngineConfig, SamplingParams
 from afd.engine.llm_engine import LLMEngine

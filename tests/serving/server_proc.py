@@ -4,53 +4,26 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 import uuid
 
 import httpx
 
 from afd.cli.common import BUILTIN_MODEL
-from afd.serving.server import parse_listening_line
+from afd.serving.spawn import ServerProcess
 from tests.support import run_processes
 
 MODEL_NAME = BUILTIN_MODEL.name
 
 
-class Server:
+class Server(ServerProcess):
+    """The built-in model in fp32, one torch thread per process, under its own run id (so that every
+    process of the run can be found, and checked gone, afterwards)."""
+
     def __init__(self, *args: str, startup_timeout: float = 180.0, env: dict | None = None) -> None:
         self.run_id = uuid.uuid4().hex[:12]
-        cmd = [sys.executable, "-m", "afd.cli.main", "serve", str(BUILTIN_MODEL), "--port", "0", "--dtype", "float32", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "AFD_NUM_THREADS": "1", "AFD_RUN_ID": self.run_id, **(env or {})})
-        self.stdout: list[str] = []
-        self.stderr: list[str] = []
-        threading.Thread(target=self._drain, args=(self.proc.stderr, self.stderr), daemon=True).start()
-        deadline = time.monotonic() + startup_timeout
-        self.url = None
-        while self.url is None:
-            line = self.proc.stdout.readline()
-            if not line:
-                self.proc.wait(10)
-                raise RuntimeError(f"afd serve exited ({self.proc.returncode}) before listening:\n{''.join(self.stderr)}")
-            self.stdout.append(line)
-            if (listening := parse_listening_line(line)) is not None:
-                self.url = listening[1]
-            if time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError("afd serve did not start in time")
-        threading.Thread(target=self._drain, args=(self.proc.stdout, self.stdout), daemon=True).start()
-
-    @staticmethod
-    def _drain(pipe, sink: list[str]) -> None:
-        for line in pipe:
-            sink.append(line)
-
-    @property
-    def base_url(self) -> str:
-        return self.url + "/v1"
+        super().__init__(BUILTIN_MODEL, "--dtype", "float32", *args, startup_timeout=startup_timeout,
+                         env={"AFD_NUM_THREADS": "1", "AFD_RUN_ID": self.run_id, **(env or {})})
 
     def get(self, path: str) -> httpx.Response:
         return httpx.get(self.url + path, timeout=30)
@@ -74,15 +47,10 @@ class Server:
         return [r["pid"] for r in self.get("/health").json()["ranks"] if r["name"].startswith(prefix)]
 
     def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-                raise AssertionError("afd serve did not stop within its SIGTERM deadline")
-        return self.proc.returncode
+        code = super().stop(timeout)
+        if code is None:
+            raise AssertionError("afd serve did not stop within its SIGTERM deadline")
+        return code
 
     def assert_nothing_left(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
