@@ -98,7 +98,8 @@ def _lone_surrogate(value: Any, path: str) -> str | None:
             return path
     elif isinstance(value, dict):
         for k, v in value.items():
-            sub = f"{path}.{k}" if path else str(k)
+            key = str(k).encode("utf-8", "backslashreplace").decode("utf-8")  # the path is shown: keep it printable
+            sub = f"{path}.{key}" if path else key
             if (hit := _lone_surrogate(k, sub)) is not None or (hit := _lone_surrogate(v, sub)) is not None:
                 return hit
     elif isinstance(value, list):

@@ -23,12 +23,16 @@ class APIError(Exception):
     invalid text in it must not break the answer)."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None):
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        message, param = _utf8(message), None if param is None else _utf8(param)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def to_api_error(e: BaseException) -> APIError:
