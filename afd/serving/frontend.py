@@ -269,11 +269,11 @@ class Frontend:
             if stream is None:
                 continue  # the request was aborted meanwhile
             if isinstance(item, TokenDelta):
-                if self.metrics is not None:
+                if self.metrics is not None and item.token_id is not None:  # None: a prefill-only request's end
                     self.metrics.token(stream, now)
                     stream.last_token_at = now
-                    if item.finish_reason is not None:
-                        self.metrics.request_finished(item.finish_reason, stream)
+                if self.metrics is not None and item.finish_reason is not None:
+                    self.metrics.request_finished(item.finish_reason, stream)
                 if item.finish_reason is not None:
                     stream.finished = True  # counted here: a consumer cancelled before reading it must not count it again
             stream.queue.put_nowait(item)

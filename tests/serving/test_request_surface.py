@@ -215,3 +215,14 @@ def test_chat_template_options(mono, tok):
     custom = mono.post("/tokenize", json={"messages": msgs, "chat_template": "{{ greeting }}{% for m in messages %}{{ m.content }}|{% endfor %}",
                                           "chat_template_kwargs": {"greeting": "Hail! "}}).json()
     assert tok.decode(custom["tokens"]) == "Hail! Who art thou?|I am|"
+
+
+def test_the_user_guide_names_every_request_field():
+    from pathlib import Path
+
+    from afd.serving.protocol import ChatMessage, StreamOptions, TokenizeChatRequest
+
+    guide = (Path(__file__).parents[2] / "docs" / "user-guide.md").read_text()
+    names = {n for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, StreamOptions, TokenizeChatRequest) for n in m.model_fields}
+    missing = sorted(n for n in names if f"`{n}`" not in guide and f'"{n}"' not in guide)
+    assert not missing, f"docs/user-guide.md does not mention: {missing}"
