@@ -166,3 +166,13 @@ def test_bench_pipeline_and_connector_report_consistent_figures(tmp_path):
     one_way = json.loads(out.read_text())["one_way_s"]
     assert {"memcpy", "loopback", "shm", "torch", "raw gloo"} <= set(one_way)
     assert all(len(v) == 2 and all(0 < t < 1 for t in v) for v in one_way.values()), one_way
+
+
+def test_bench_sampler_times_every_mix(tmp_path):
+    from afd.cli.bench_sampler import MIXES
+
+    out = tmp_path / "sampler.json"
+    res = afd("bench", "sampler", "--vocab", "300", "--num-seqs", "3", "--runs", "1", "--history", "5", "--json", str(out))
+    assert "summary:" in res.stdout
+    data = json.loads(out.read_text())
+    assert set(data) == {f"300 {m}" for m in MIXES} and all(v > 0 for v in data.values())

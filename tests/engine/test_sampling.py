@@ -245,3 +245,17 @@ def test_skip_special_tokens(model, model_dir):
                                                                           skip_special_tokens=False))[0]
     assert on.token_ids == off.token_ids == [0, 0, 0]
     assert on.text == "" and off.text == tok.decode([0, 0, 0], skip_special_tokens=False) != ""
+
+
+def test_top_p_beyond_the_candidates_equals_the_reference():
+    """A flat row puts its top_p mass beyond the first TOP_P_CANDIDATES tokens (the full-sort path), a
+    peaked row within them; both equal the reference."""
+    from afd.engine import sampling
+
+    vocab = sampling.TOP_P_CANDIDATES * 3
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.stack([torch.randn(vocab, generator=gen) * 0.05, torch.randn(vocab, generator=gen) * 4])
+    rows = [Row(SamplingParams(temperature=1.0, top_p=0.9), [1], []), Row(SamplingParams(temperature=0.7, top_p=0.5, top_k=2000), [1], [])]
+    got = process_logits(logits, rows, EOS)
+    assert int(torch.isfinite(got[0]).sum()) > sampling.TOP_P_CANDIDATES  # the flat row really needed the full sort
+    assert_matches_reference(got, logits, rows)
