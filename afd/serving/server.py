@@ -108,8 +108,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def _http(_, e: StarletteHTTPException):
         return fail(APIError(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error"))
 
-    def admit(body, path: str) -> None:
-        """The checks every generation request passes first; unknown fields are logged once by name."""
+    def check(body, path: str) -> None:
+        """The served model (or none named); unknown fields logged once per name."""
         if body.model is not None and body.model != state.model_name:
             raise APIError(404, f"The model '{body.model}' does not exist; this server serves '{state.model_name}'",
                            param="model", code="model_not_found")
@@ -117,6 +117,10 @@ def create_app(state: ServerState) -> FastAPI:
             if name not in warned:
                 warned.add(name)
                 log.warning("%s: ignoring the unknown request field %r (logged once per field name)", path, name)
+
+    def admit(body, path: str) -> None:
+        """The checks every generation request passes first."""
+        check(body, path)
         fe = state.frontend
         if fe.failure is not None:
             raise APIError(503, f"the engine has failed: {fe.failure}", "service_unavailable")
@@ -152,8 +156,7 @@ def create_app(state: ServerState) -> FastAPI:
     # ------------------------------------------------------------------ tokenizer
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        if body.model is not None and body.model != state.model_name:
-            raise APIError(404, f"The model '{body.model}' does not exist", param="model", code="model_not_found")
+        check(body, "/tokenize")
         if isinstance(body, TokenizeChatRequest):
             ids = chat_prompt_ids(tok, body.messages, body.add_special_tokens, **_render_args(body))
         else:
@@ -163,6 +166,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
+        check(body, "/detokenize")
         bad = [t for t in body.tokens if not 0 <= t < tok.vocab_size]
         if bad:
             raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {tok.vocab_size})", param="tokens")
