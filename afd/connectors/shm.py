@@ -175,10 +175,12 @@ class ShmMailbox(Mailbox):
     # ------------------------------------------------------------------ receive
     def _recv(self, timeout: float):
         deadline = time.monotonic() + timeout
+        looked = False
         while True:
             left = deadline - time.monotonic()
-            if left < 0:
+            if left < 0 and looked:  # always look once: recv(0.0) returns a message already waiting
                 return None
+            left, looked = max(left, 0.0), True
             if not self._fd_peer:
                 time.sleep(left)
                 return None

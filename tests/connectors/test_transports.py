@@ -133,3 +133,54 @@ def test_shutdown_then_close_is_not_a_death(transport, tmp_path):
     finally:
         if peer.is_alive():
             peer.kill()
+
+
+def _send_two(transport, arg, sent):
+    box = _open(transport, Role.ATTENTION, arg)
+    for i in range(2):  # the shm ring of _open has two slots
+        box.send(0, _msg(i, rows=4))
+    sent.set()
+    time.sleep(5)  # keep the link open while the receiver drains
+    box.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch", "loopback"])
+def test_a_zero_timeout_receive_returns_what_is_already_waiting(transport, tmp_path):
+    """The FFN loop drains waiting work with recv(0.0): it must return messages already delivered (on shm
+    it once returned None before looking, so nothing was ever drained)."""
+    if transport == "loopback":
+        hub = LoopbackHub()
+        a, f = LoopbackMailbox(hub, Role.ATTENTION, 0, 1), LoopbackMailbox(hub, Role.FFN, 0, 1)
+        for i in range(2):
+            a.send(0, _msg(i, rows=4))
+        assert [f.recv(0.0).header.seq for _ in range(2)] == [0, 1] and f.recv(0.0) is None
+        return
+    if transport == "shm":
+        create_links(tmp_path, 1, 1, num_slots=2, slot_bytes=4096)
+        arg = tmp_path
+    else:
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
+        arg = store.port
+    ctx = mp.get_context("spawn")
+    sent = ctx.Event()
+    peer = ctx.Process(target=_send_two, args=(transport, arg, sent))
+    peer.start()
+    try:
+        box = _open(transport, Role.FFN, arg)
+        assert sent.wait(30)
+        first = box.recv(10)  # the first may still be in flight; the rest are waiting once it is here
+        deadline = time.monotonic() + 5
+        rest = []
+        while not rest and time.monotonic() < deadline:
+            got = box.recv(0.0)
+            if got is not None:
+                rest.append(got)
+            elif transport == "shm":
+                break  # shm delivers into the ring before the sender returns: nothing may be missing
+        assert first.header.seq == 0 and [m.header.seq for m in rest] == [1]
+        box.close()
+    finally:
+        peer.kill()
+        peer.join(10)
