@@ -5,12 +5,19 @@ so the engine's step loop does not know whether it runs split or not.
 
 One step:
 
-1. the planner cuts the batch into micro-batches (one in ``sync`` mode);
-2. every micro-batch's token ids, chunks and :class:`AttentionMetadata` are
+1. the step is agreed with the other attention ranks (afd/attention/steps.py): the
+   contributors and the micro-batch count m, the same on every rank;
+2. the planner cuts this rank's batch into m micro-batches (one in ``sync`` mode;
+   empty ones at the end when it has fewer pieces to give);
+3. every micro-batch's token ids, chunks and :class:`AttentionMetadata` are
    built before any of them runs -- each owns its metadata, nothing is shared;
-3. the runner executes the ping-pong schedule: ATTENTION (micro-batch, layer),
-   DISPATCH (send the FFN input, or run a locally placed FFN half), COMBINE
-   (receive, add to the residual), in exactly the order the schedule yields.
+4. the runner executes the ping-pong schedule: ATTENTION (micro-batch, layer),
+   DISPATCH (send the FFN input -- an empty part for an empty micro-batch -- or
+   run a locally placed FFN half), COMBINE (receive, add to the residual), in
+   exactly the order the schedule yields.
+
+A step of the wave with no work here is :meth:`DisaggregatedRunner.idle`: a vote,
+no model pass and no message.
 """
 
 from __future__ import annotations
@@ -21,12 +28,13 @@ from typing import Sequence
 
 import torch
 
+from afd.attention.steps import SOLO_EPOCH, StepPlan, StepPlane, local_plan, own_plan
 from afd.config import CacheConfig, PipelineConfig
 from afd.connectors.endpoints import AttentionEndpoint, DispatchHandle
 from afd.distributed.topology import Topology
 from afd.kvcache import AttentionMetadata, PagedKVCache, SeqChunk, build_attention_metadata, last_token_rows
 from afd.models.base import MoEModel, Observer
-from afd.pipeline import Action, CostModel, MicrobatchPlan, choose_plan, plan_microbatches, ping_pong
+from afd.pipeline import Action, CostModel, MicrobatchPlan, ping_pong
 from afd.types import Routing
 
 
@@ -35,8 +43,8 @@ class _Microbatch:
     """The state of one micro-batch through the layers (owned by it alone)."""
 
     index: int
-    token_ids: torch.Tensor  # [t] int64
-    meta: AttentionMetadata
+    token_ids: torch.Tensor | None  # [t] int64; None: an empty micro-batch (this rank has fewer pieces than agreed)
+    meta: AttentionMetadata | None
     hidden: torch.Tensor | None = None  # [t, H] layer input
     residual: torch.Tensor | None = None
     ffn_input: torch.Tensor | None = None
@@ -44,6 +52,10 @@ class _Microbatch:
     handle: DispatchHandle | None = None
     local_out: torch.Tensor | None = None  # FFN half computed on this rank
     captured: dict = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.token_ids is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +73,8 @@ class TraceEvent:
 
 
 class DisaggregatedRunner:
+    """``plane``: the step agreement with the other attention ranks (None: this rank steps alone)."""
+
     def __init__(
         self,
         model: MoEModel,
@@ -69,6 +83,7 @@ class DisaggregatedRunner:
         topology: Topology,
         pipeline: PipelineConfig = PipelineConfig(),
         cost: CostModel = CostModel(),
+        plane: StepPlane | None = None,
     ) -> None:
         self.model = model
         self.cache_config = cache
@@ -79,35 +94,69 @@ class DisaggregatedRunner:
         self.topology = topology
         self.pipeline = pipeline
         self.cost = cost
-        self.seq = 0  # step sequence number, increasing per attention rank
+        self.plane = plane
+        self.seq = -1  # the step of the messages in flight: the agreed step number
+        self._local_step = 1  # the next step, when stepping alone (numbered from 1)
         self.trace: list[TraceEvent] | None = None  # set to [] to record
         self.last_plan: MicrobatchPlan | None = None
-        self.num_steps = 0
+        self.last_step: StepPlan | None = None
+        self.num_steps = 0  # model passes
+        self.num_idle_steps = 0  # agreed steps without work here: no model pass
         self.num_degraded_steps = 0  # steps whose plan could not form the micro-batches asked for
 
-    # ------------------------------------------------------------------ planning
-    def _microbatches(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk]) -> list[_Microbatch]:
+    # ------------------------------------------------------------------ agreement
+    @property
+    def in_wave(self) -> bool:
+        """Whether the agreed steps go on (some rank has work): this rank must keep voting."""
+        return self.plane is not None and self.plane.in_wave
+
+    def _cost(self) -> CostModel:
         cost = self.pipeline.cost or self.cost
-        spans = [(c.start, c.length) for c in chunks]
-        if self.pipeline.adaptive and self.pipeline.mode == "async":
+        if self.pipeline.adaptive:
             moe = self.model.config.moe
             cost = replace(cost, num_experts=moe.num_experts, top_k=moe.top_k)  # the expert-read term
-            plan = choose_plan(spans, self.pipeline.num_microbatches, self.model.config.num_layers, self.pipeline.split, cost,
-                               self.pipeline.credits)
-            if self.trace is not None:
-                now = time.perf_counter()
-                estimates = ", ".join(f"m={m}: {t:.3g}" for m, t in plan.estimates)
-                self.trace.append(TraceEvent(now, now, "plan", 0, -1, self.seq, 0, f"chose m={plan.num_microbatches} ({estimates})"))
+        return cost
+
+    def _agree(self, spans: tuple[tuple[int, int], ...], solo: bool = False) -> StepPlan:
+        layers = self.model.config.num_layers
+        if self.plane is None or solo:
+            epoch = 0 if self.plane is None else SOLO_EPOCH + self.endpoint.rank
+            plan = local_plan(self._local_step, self.endpoint.rank, spans, self.pipeline, layers, self._cost(), epoch)
+            self._local_step += 1
         else:
-            plan = plan_microbatches(spans, self.pipeline.effective_microbatches, self.pipeline.split, cost,
-                                     self.pipeline.min_microbatch_tokens)
+            plan = self.plane.agree(spans, self.pipeline, layers, self._cost())
+        self.last_step = plan
+        if self.trace is not None and plan.contributors:
+            now = time.perf_counter()
+            estimates = ", ".join(f"m={m}: {t:.3g}" for m, t in plan.estimates)
+            self.trace.append(TraceEvent(now, now, "plan", 0, -1, plan.step, 0,
+                                         f"agreed m={plan.num_microbatches} (contributors {list(plan.contributors)})"
+                                         + (f" from {estimates}" if estimates else "")))
+        return plan
+
+    def idle(self) -> StepPlan:
+        """One agreed step with no work here: vote, and run nothing (no model pass, no message)."""
+        if self.plane is None:
+            raise RuntimeError("an idle step needs the step agreement (this rank steps alone)")
+        self.num_idle_steps += 1
+        return self._agree(())
+
+    # ------------------------------------------------------------------ planning
+    def _microbatches(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk], step: StepPlan) -> list[_Microbatch]:
+        """This rank's share of the agreed step, cut into exactly the agreed m micro-batches (the last
+        ones empty when it has fewer pieces to give)."""
+        spans = [(c.start, c.length) for c in chunks]
+        plan = own_plan(tuple(spans), step.requested, self.pipeline, self._cost())  # at most the agreed m pieces
         self.last_plan = plan
         self.num_steps += 1
-        if plan.degraded:
+        degraded = plan.degraded
+        if plan.num_microbatches < step.num_microbatches and not degraded:
+            degraded = f"{step.num_microbatches} micro-batches agreed, {plan.num_microbatches} here: the rest are empty"
+        if degraded:
             self.num_degraded_steps += 1
             if self.trace is not None:
                 now = time.perf_counter()
-                self.trace.append(TraceEvent(now, now, "degraded", 0, -1, self.seq, 0, plan.degraded))
+                self.trace.append(TraceEvent(now, now, "degraded", 0, -1, step.step, 0, degraded))
         offsets, acc = [], 0
         for c in chunks:
             offsets.append(acc)
@@ -123,42 +172,53 @@ class DisaggregatedRunner:
                 mb_chunks.append(SeqChunk(c.block_table, span.start, span.length))
             meta = build_attention_metadata(mb_chunks, self.cache_config.block_size, self.device)
             mbs.append(_Microbatch(k, torch.cat(rows), meta))
+        mbs += [_Microbatch(k, None, None) for k in range(len(mbs), step.num_microbatches)]
         return mbs
 
     # ------------------------------------------------------------------ execution
-    def execute(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk], observer: Observer | None = None) -> torch.Tensor:
+    def execute(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk], observer: Observer | None = None,
+                solo: bool = False) -> torch.Tensor:
         """Logits [S, V] fp32 of each chunk's last token."""
-        return self.model.head(self.run(token_ids, chunks, observer)[last_token_rows(chunks)])
+        return self.model.head(self.run(token_ids, chunks, observer, solo)[last_token_rows(chunks)])
 
     @torch.inference_mode()
-    def run(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk], observer: Observer | None = None) -> torch.Tensor:
-        """One step through every layer, the FFN halves over the connector. Returns the last layer's
-        hidden states [T, H] of every token, in the batch's order (micro-batches are contiguous pieces)."""
+    def run(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk], observer: Observer | None = None,
+            solo: bool = False) -> torch.Tensor:
+        """One agreed step through every layer, the FFN halves over the connector. Returns the last
+        layer's hidden states [T, H] of every token, in the batch's order (micro-batches are contiguous
+        pieces of it; empty ones come last). ``solo``: a step of this rank alone, outside the waves (its
+        own epoch), e.g. a capture for a parity check."""
         m = self.model
-        self.seq += 1
-        mbs = self._microbatches(token_ids, chunks)  # all metadata first
+        step = self._agree(tuple((c.start, c.length) for c in chunks), solo)
+        self.seq = step.step  # every message of the step carries the agreed step number
+        mbs = self._microbatches(token_ids, chunks, step)  # all metadata first
         for mb in mbs:
-            mb.hidden = m.embed(mb.token_ids)
+            if not mb.is_empty:
+                mb.hidden = m.embed(mb.token_ids)
         record = observer is not None
         credits = min(self.pipeline.effective_credits, len(mbs)) if len(mbs) > 1 else 1
-        for step in ping_pong(len(mbs), m.config.num_layers, credits):
+        for action in ping_pong(len(mbs), m.config.num_layers, credits):
             t0 = time.perf_counter()
-            mb = mbs[step.microbatch]
-            if step.action is Action.ATTENTION:
-                self._attention(mb, step.layer, record)
-            elif step.action is Action.DISPATCH:
-                self._dispatch(mb, step.layer)
+            mb = mbs[action.microbatch]
+            if action.action is Action.ATTENTION:
+                self._attention(mb, action.layer, record)
+            elif action.action is Action.DISPATCH:
+                self._dispatch(mb, action.layer, step)
             else:
-                self._combine(mb, step.layer, record)
+                self._combine(mb, action.layer, record)
             if self.trace is not None:
-                self.trace.append(TraceEvent(t0, time.perf_counter(), step.action.value, step.microbatch, step.layer, self.seq, self.endpoint.num_in_flight))
-        hidden = torch.cat([mb.hidden for mb in mbs])
+                self.trace.append(TraceEvent(t0, time.perf_counter(), action.action.value, action.microbatch, action.layer, self.seq,
+                                             self.endpoint.num_in_flight))
+        real = [mb for mb in mbs if not mb.is_empty]
+        hidden = torch.cat([mb.hidden for mb in real]) if len(real) > 1 else real[0].hidden
         if record:
-            self._emit(mbs, hidden, observer)
+            self._emit(real, hidden, observer)
         return hidden
 
     def _attention(self, mb: _Microbatch, layer: int, record: bool) -> None:
         m, t = self.model, self.topology
+        if mb.is_empty:
+            return
         if record:
             mb.captured[(layer, "layer_input")] = mb.hidden
         out = m.attention(layer, mb.hidden, mb.meta, self.kv_cache.layer(layer))
@@ -170,16 +230,28 @@ class DisaggregatedRunner:
         if record and mb.routing is not None:
             mb.captured[(layer, "topk_ids")] = mb.routing.topk_ids
 
-    def _dispatch(self, mb: _Microbatch, layer: int) -> None:
+    def _dispatch(self, mb: _Microbatch, layer: int, step: StepPlan) -> None:
         m, t = self.model, self.topology
         is_moe = m.config.is_moe_layer(layer)
         if not is_moe and t.dense_on == "attention":
-            mb.local_out = m.dense_mlp(layer, mb.ffn_input)
+            if not mb.is_empty:
+                mb.local_out = m.dense_mlp(layer, mb.ffn_input)
             return
-        mb.handle = self.endpoint.dispatch(layer, self.seq, mb.ffn_input, mb.routing, is_moe, microbatch=mb.index)
+        if mb.is_empty:  # the FFN ranks still get this contributor's (empty) part of the union
+            mb.ffn_input = torch.empty(0, m.config.hidden_size, dtype=m.model.embed_tokens.weight.dtype, device=self.device)
+            if is_moe and t.gate == "attention":
+                k = m.config.moe.top_k
+                mb.routing = Routing(torch.empty(0, k, dtype=torch.long, device=self.device), torch.empty(0, k, device=self.device))
+        mb.handle = self.endpoint.dispatch(layer, self.seq, mb.ffn_input, mb.routing, is_moe, microbatch=mb.index,
+                                           epoch=step.epoch, members=step.mask)
 
     def _combine(self, mb: _Microbatch, layer: int, record: bool) -> None:
         m, t = self.model, self.topology
+        if mb.is_empty:
+            if mb.handle is not None:
+                self.endpoint.combine(mb.handle, m.config.hidden_size, m.model.embed_tokens.weight.dtype)  # no rows: nothing comes
+            mb.handle = mb.ffn_input = mb.routing = None
+            return
         if mb.handle is None:
             y = mb.local_out
         else:

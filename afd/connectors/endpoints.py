@@ -12,11 +12,13 @@ Bytes per token per MoE layer (wire dtype b bytes, hidden H, top-k k, F FFN rank
   dispatch ``H*b + 8k`` (hidden, int32 ids, fp32 weights) and combine ``H*b``;
   so ``sum over tokens of n_t * (2*H*b + 8k)`` with n_t = ranks the token reaches;
 * gate on FFN: every token to every rank: ``F * 2*H*b``;
-* shared experts on the FFN side: the designated rank receives every token
-  (``2*H*b + 8k`` for tokens not otherwise routed there);
-* dense layer on the FFN side: ``2*H*b`` per token to the designated rank.
+* shared experts on the FFN side (replicated on every FFN rank, split by rows):
+  each token also goes to the rank of its row slice (``2*H*b + 8k`` when not
+  otherwise routed there), plus one byte per row sent;
+* dense layer on the FFN side: ``2*H*b`` per token, to the rank of its row slice.
 
-Plus one header per message (40 bytes + 3 per tensor + 4 per dimension).
+Plus one header per message (50 bytes + 3 per tensor + 4 per dimension), and
+one empty part per FFN rank that gets no row of a (step, layer, micro-batch).
 """
 
 from __future__ import annotations
@@ -56,7 +58,6 @@ class AttentionEndpoint:
         self.device = mailbox.device  # the rank's compute device: results arrive here
         self.owner = torch.tensor(placement.expert_to_rank, dtype=torch.long, device=self.device)  # [E] expert -> FFN rank
         self.timeout = timeout
-        self.designated = topology.designated_ffn_rank(self.rank)
         # several dispatches may be in flight (async micro-batches): results are matched by key
         self._handles: dict[tuple[int, int, int], DispatchHandle] = {}
         self._stash: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
@@ -72,60 +73,77 @@ class AttentionEndpoint:
         routing: Routing | None,
         is_moe: bool,
         microbatch: int = 0,
+        epoch: int = 0,
+        members: int = 0,
     ) -> DispatchHandle:
-        """Send ``ffn_input [T, H]`` (and, with gate on attention, ``routing``) to the FFN ranks that need it."""
+        """Send one (step, layer, micro-batch) part of ``ffn_input [T, H]`` (and, with the gate on
+        attention, ``routing``) to **every** FFN rank: each computes the union of every contributor's
+        part, so one with no rows for a rank sends it an empty part (T may be 0). ``members`` is the
+        bitmask of the step's contributors (default: this rank alone), ``epoch`` the membership epoch.
+
+        Who computes what: routed experts where they are placed (gate on attention: only the rows that
+        chose them, with the ids of other ranks' experts set to -1; gate on FFN: every row to every rank,
+        which routes); shared experts and dense layers placed on the FFN side are replicated on every
+        FFN rank and split by rows, rank r taking the r-th contiguous slice (``SHARED_ROWS`` marks it)."""
         t = self.topology
+        num_ffn = t.num_ffn_ranks
         num_tokens = ffn_input.shape[0]
         all_rows = torch.arange(num_tokens, device=ffn_input.device)
+        shared = is_moe and t.shared_experts_on == "ffn"
+        bounds = [num_tokens * r // num_ffn for r in range(num_ffn + 1)]  # row slice r: [bounds[r], bounds[r+1])
+        in_slice = torch.zeros(num_tokens, dtype=torch.bool, device=ffn_input.device)
         plan: dict[int, tuple[torch.Tensor, Op, dict[TensorName, torch.Tensor]]] = {}
         if not is_moe:  # a dense layer placed on the FFN side
-            plan[self.designated] = (all_rows, Op.DENSE, {TensorName.HIDDEN: ffn_input})
-        elif t.gate == "ffn":
-            for r in range(t.num_ffn_ranks):
-                ops = Op.ROUTE | Op.ROUTED | (Op.SHARED if self._shared_here(r) else Op.NONE)
-                plan[r] = (all_rows, ops, {TensorName.HIDDEN: ffn_input})
+            for r in range(num_ffn):
+                rows = all_rows[bounds[r] : bounds[r + 1]]
+                plan[r] = (rows, Op.DENSE, {TensorName.HIDDEN: ffn_input[rows] if num_ffn > 1 else ffn_input})
         else:
-            assert routing is not None
             # [T, k] FFN rank of each selected expert; with one FFN rank it owns them all (no lookup)
-            owner = self.owner[routing.topk_ids] if t.num_ffn_ranks > 1 else None
-            for r in range(t.num_ffn_ranks):
-                shared = self._shared_here(r)
-                ids = routing.topk_ids
-                if owner is None:
-                    rows = all_rows
+            owner = self.owner[routing.topk_ids] if routing is not None and num_ffn > 1 else None
+            for r in range(num_ffn):
+                mask = in_slice
+                if shared:
+                    mask = in_slice.clone()
+                    mask[bounds[r] : bounds[r + 1]] = True
+                tensors: dict[TensorName, torch.Tensor] = {}
+                if t.gate == "ffn":
+                    rows, ops = all_rows, Op.ROUTE | Op.ROUTED
                 else:
-                    mine = owner == r  # [T, k]
-                    rows = all_rows if shared else mine.any(dim=1).nonzero().flatten()
-                    if rows.numel() == 0:
-                        continue
-                    ids = torch.where(mine, ids, -1)
-                whole = rows is all_rows  # the whole batch: sent as it is, no gathers
-                plan[r] = (
-                    rows,
-                    Op.ROUTED | (Op.SHARED if shared else Op.NONE),
-                    {
-                        TensorName.HIDDEN: ffn_input if whole else ffn_input[rows],
-                        TensorName.EXPERT_IDS: (ids if whole else ids[rows]).to(torch.int32),
-                        TensorName.WEIGHTS: (routing.topk_weights if whole else routing.topk_weights[rows]).float(),
-                    },
-                )
-        handle = DispatchHandle(seq, layer, microbatch, num_tokens, {r: rows for r, (rows, _, _) in plan.items()}, time.perf_counter())
+                    ids = routing.topk_ids
+                    if owner is None:
+                        rows = all_rows
+                    else:
+                        mine = owner == r  # [T, k]
+                        rows = (mine.any(dim=1) | mask).nonzero().flatten()
+                        ids = torch.where(mine, ids, -1)
+                    whole = len(rows) == num_tokens  # the whole batch, in order: sent as it is, no gathers
+                    tensors[TensorName.EXPERT_IDS] = (ids if whole else ids[rows]).to(torch.int32)
+                    tensors[TensorName.WEIGHTS] = (routing.topk_weights if whole else routing.topk_weights[rows]).float()
+                    ops = Op.ROUTED
+                whole = len(rows) == num_tokens
+                tensors[TensorName.HIDDEN] = ffn_input if whole else ffn_input[rows]
+                if shared:
+                    tensors[TensorName.SHARED_ROWS] = (mask if whole else mask[rows]).to(torch.uint8)
+                    ops |= Op.SHARED
+                plan[r] = (rows, ops, tensors)
+        # results come back only for non-empty parts
+        handle = DispatchHandle(seq, layer, microbatch, num_tokens, {r: rows for r, (rows, _, _) in plan.items() if len(rows)},
+                                time.perf_counter())
         key = (seq, layer, microbatch)
         if key in self._handles:
             raise ProtocolError(f"{self.mailbox.name}: dispatch of (seq {seq}, layer {layer}, micro-batch {microbatch}) twice")
         self._handles[key] = handle
         self._stash[key] = {}
+        members = members or 1 << self.rank
         for r, (rows, ops, tensors) in plan.items():
-            header = Header(Kind.WORK, Role.ATTENTION, self.rank, r, layer, microbatch, seq, len(rows), ops)
+            header = Header(Kind.WORK, Role.ATTENTION, self.rank, r, layer, microbatch, seq, len(rows), ops, (),
+                            epoch=epoch, members=members)
             self.mailbox.send(r, make_message(header, tensors))
         return handle
 
     @property
     def num_in_flight(self) -> int:
         return len(self._handles)
-
-    def _shared_here(self, ffn_rank: int) -> bool:
-        return self.topology.shared_experts_on == "ffn" and ffn_rank == self.designated
 
     def combine(self, handle: DispatchHandle, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
         """Receive every partial result of ``handle``; return their sum [T, H], added in FFN-rank order.
@@ -160,6 +178,8 @@ class AttentionEndpoint:
         self.wait_s += done - waited_from
         if len(partial) == 1 and len(next(iter(handle.rows.values()))) == handle.num_tokens:
             return next(iter(partial.values())).to(dtype)  # one rank had every row, in order: nothing to add
+        if not partial and handle.num_tokens:
+            raise ProtocolError(f"{me}: (seq {handle.seq}, layer {handle.layer}) sent {handle.num_tokens} rows to no FFN rank")
         total = torch.zeros(handle.num_tokens, hidden_size, dtype=dtype, device=self.device)
         for r in sorted(partial):  # fixed rank order, never arrival order
             total.index_add_(0, handle.rows[r], partial[r].to(dtype))
@@ -216,9 +236,13 @@ class AttentionEndpoint:
 
 @dataclass(frozen=True, slots=True)
 class WorkItem:
+    """One contributor's part of a (step, layer, micro-batch) union (``n`` may be 0)."""
+
     header: Header
     hidden: torch.Tensor  # [n, H]
     routing: Routing | None  # ids [n, k] (-1: not for this rank), weights [n, k]
+    shared_rows: torch.Tensor | None  # [n] bool: rows whose shared experts this rank computes
+    received_at: float = 0.0  # time.perf_counter() when it arrived (straggler wait)
 
 
 def parse_work(msg: Message, receiver: str) -> WorkItem:
@@ -232,11 +256,18 @@ def parse_work(msg: Message, receiver: str) -> WorkItem:
         if ids.shape != weights.shape or ids.shape[0] != h.num_tokens:
             raise ProtocolError(f"{receiver}: work from {h.source}: ids {list(ids.shape)} / weights {list(weights.shape)} for {h.num_tokens} tokens")
         routing = Routing(ids.long(), weights)
-    return WorkItem(h, hidden, routing)
+    shared = None
+    if Op.SHARED in h.ops:
+        shared = msg.get(TensorName.SHARED_ROWS)
+        if tuple(shared.shape) != (h.num_tokens,):
+            raise ProtocolError(f"{receiver}: work from {h.source}: shared rows {list(shared.shape)} for {h.num_tokens} tokens")
+        shared = shared.bool()
+    return WorkItem(h, hidden, routing, shared, time.perf_counter())
 
 
 def result_message(work: Header, ffn_rank: int, output: torch.Tensor) -> Message:
-    header = Header(Kind.RESULT, Role.FFN, ffn_rank, work.src_index, work.layer, work.microbatch, work.seq, output.shape[0], work.ops)
+    header = Header(Kind.RESULT, Role.FFN, ffn_rank, work.src_index, work.layer, work.microbatch, work.seq, output.shape[0], work.ops,
+                    (), epoch=work.epoch, members=work.members)
     return make_message(header, {TensorName.OUTPUT: output})
 
 

@@ -6,11 +6,18 @@ a message without trusting arrival order, and to check it before touching the
 payload:
 
     magic 'AFD1' | version | kind | ops | src role | src index | dst index
-    | layer | micro-batch | step sequence | token count | tensor count | payload bytes
+    | layer | micro-batch | step | membership epoch | contributors | token count
+    | tensor count | payload bytes
 
-Pairing key: (source rank, sequence, layer, micro-batch). A receiver checks
+Pairing key: (source rank, step, layer, micro-batch). A receiver checks
 every field (:meth:`Header.expect`) and raises :class:`ProtocolError` naming
 both ranks on any mismatch instead of mispairing tensors.
+
+Work is aggregated: the attention ranks agree on each step (afd/attention/steps.py),
+and a work header carries the agreement's membership epoch and the bitmask of
+the attention ranks that contribute to (step, micro-batch). An FFN rank
+computes (step, layer, micro-batch) once, when it holds a part -- possibly an
+empty one -- from every contributor.
 """
 
 from __future__ import annotations
@@ -22,9 +29,10 @@ from dataclasses import dataclass, field
 import torch
 
 MAGIC = b"AFD1"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: membership epoch and contributors in every header
+MAX_ATTENTION_RANKS = 64  # the contributors bitmask is 64 bits
 
-_FIXED = struct.Struct("<4sHBBBHHiHQIBQ")  # see module docstring, in order
+_FIXED = struct.Struct("<4sHBBBHHiHQHQIBQ")  # see module docstring, in order
 _TENSOR = struct.Struct("<BBB")  # name, dtype, ndim; then ndim x uint32 dims
 _DIM = struct.Struct("<I")
 
@@ -63,6 +71,7 @@ class TensorName(enum.IntEnum):
     WEIGHTS = 2  # [n, k] float32 combine weights
     OUTPUT = 3  # [n, H] partial FFN output rows
     TEXT = 4  # [n] uint8: an error message
+    SHARED_ROWS = 5  # [n] uint8: 1 where the receiving FFN rank computes the row's shared experts
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8, torch.float8_e4m3fn]
@@ -112,6 +121,8 @@ class Header:
     ops: Op = Op.NONE
     tensors: tuple[TensorSpec, ...] = ()
     version: int = PROTOCOL_VERSION
+    epoch: int = 0  # the membership epoch the step was agreed under
+    members: int = 0  # bit a: attention rank a contributes to (step, micro-batch)
 
     @property
     def source(self) -> str:
@@ -129,7 +140,7 @@ class Header:
         parts = [
             _FIXED.pack(
                 MAGIC, self.version, self.kind, self.ops, self.src_role, self.src_index, self.dst_index,
-                self.layer, self.microbatch, self.seq, self.num_tokens, len(self.tensors), self.payload_bytes,
+                self.layer, self.microbatch, self.seq, self.epoch, self.members, self.num_tokens, len(self.tensors), self.payload_bytes,
             )
         ]
         for t in self.tensors:
@@ -142,7 +153,7 @@ class Header:
         """Parse a header; returns it and its length in bytes. Raises ProtocolError on garbage."""
         if len(buf) < _FIXED.size:
             raise ProtocolError(f"{receiver}: truncated header ({len(buf)} bytes)")
-        (magic, version, kind, ops, role, src, dst, layer, mb, seq, ntok, ntensors, payload) = _FIXED.unpack_from(buf, 0)
+        (magic, version, kind, ops, role, src, dst, layer, mb, seq, epoch, members, ntok, ntensors, payload) = _FIXED.unpack_from(buf, 0)
         if magic != MAGIC:
             raise ProtocolError(f"{receiver}: bad magic {bytes(magic)!r} (expected {MAGIC!r}): corrupted or foreign message")
         if kind not in _KINDS or role not in _ROLES:
@@ -167,7 +178,7 @@ class Header:
             ops = _op(ops)
         except ValueError:
             raise ProtocolError(f"{receiver}: unknown ops {ops} from {sender}") from None
-        header = cls(kind, role, src, dst, layer, mb, seq, ntok, ops, tuple(specs), version)
+        header = cls(kind, role, src, dst, layer, mb, seq, ntok, ops, tuple(specs), version, epoch, members)
         if header.payload_bytes != payload:
             raise ProtocolError(
                 f"{receiver}: header from {sender} declares {payload} payload bytes but its tensor table sums to {header.payload_bytes}"
@@ -201,7 +212,7 @@ def make_message(header: Header, tensors: dict[TensorName, torch.Tensor]) -> Mes
     specs = tuple(TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
     # positional construction: dataclasses.replace introspects the fields on every call (~10 us)
     return Message(Header(h.kind, h.src_role, h.src_index, h.dst_index, h.layer, h.microbatch, h.seq, h.num_tokens, h.ops, specs,
-                          h.version), dict(tensors))
+                          h.version, h.epoch, h.members), dict(tensors))
 
 
 def encode(message: Message) -> tuple[bytes, list[torch.Tensor]]:

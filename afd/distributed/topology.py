@@ -146,9 +146,8 @@ class Topology:
     def placement_for(self, num_experts: int) -> ExpertPlacement:
         return self.placement or ExpertPlacement.contiguous(num_experts, self.num_ffn_ranks)
 
-    def designated_ffn_rank(self, attention_rank: int) -> int:
-        """The FFN rank that runs dense layers / shared experts moved to the FFN side for this attention rank."""
-        return attention_rank % self.num_ffn_ranks
+
+MAX_ATTENTION_RANKS = 64  # the contributor bitmask of a work header (afd/connectors/protocol.py)
 
 
 def validate_topology(topology: Topology, num_experts: int) -> ExpertPlacement:
@@ -168,6 +167,9 @@ def validate_topology(topology: Topology, num_experts: int) -> ExpertPlacement:
     ):
         if value not in allowed:
             raise TopologyError(f"--{name} {value!r} is not one of: {', '.join(allowed)}")
+    if t.num_attention_ranks > MAX_ATTENTION_RANKS:
+        raise TopologyError(f"{t.num_attention_ranks} attention ranks: at most {MAX_ATTENTION_RANKS} (a step's contributors "
+                            "travel as a 64-bit mask in every work header)")
     if t.num_ffn_ranks > num_experts:
         raise TopologyError(
             f"{t.num_ffn_ranks} FFN ranks for a model with {num_experts} routed experts: "

@@ -132,6 +132,7 @@ class Cluster:
         self._closed = False
         self._set_run_id = False
         self._store = None  # torch transport: the TCPStore rendezvous
+        self._steps_store = None  # the step agreement's TCPStore, when no rendezvous store can hold it
 
     # ------------------------------------------------------------------ start
     def _slot_bytes(self) -> int:
@@ -163,6 +164,18 @@ class Cluster:
             else:
                 port = self.master_port
             link = replace(link, master_addr=self.master_addr, master_port=port)
+        steps = None
+        if t.num_attention_ranks > 1 and Role.ATTENTION in self.local_roles():  # the step agreement's votes live here
+            if self._store is None:
+                import datetime
+
+                import torch.distributed as dist
+
+                self._steps_store = dist.TCPStore("127.0.0.1", 0, t.num_attention_ranks + 1, is_master=True, wait_for_workers=False,
+                                                  timeout=datetime.timedelta(seconds=self.ready_timeout))
+                steps = ("127.0.0.1", self._steps_store.port)
+            else:
+                steps = (self.master_addr, self._store.port)
         if t.transport == "shm":
             from afd.connectors.shm import create_links
 
@@ -173,7 +186,8 @@ class Cluster:
         ctx = mp.get_context("spawn")
         try:
             for role, index in build_launch_order(t, self.local_roles()):
-                spec = RankSpec(role, index, self.model_dir, t, self.placement, link, self.engine, self.link_timeout, self.pipeline)
+                spec = RankSpec(role, index, self.model_dir, t, self.placement, link, self.engine, self.link_timeout, self.pipeline,
+                                steps)
                 parent, child = ctx.Pipe()
                 if t.transport == "loopback":
                     proc = threading.Thread(target=run_rank, args=(spec, child, self._hub, False), name=spec.name, daemon=True)
@@ -286,7 +300,7 @@ class Cluster:
             load[r] += len(p) + per_prompt[i].max_tokens
         busy = {}
         for a, (r, idx) in enumerate(zip(ranks, assigned)):
-            if idx:
+            if idx or len(ranks) > 1:  # attention ranks step together: each takes part, with work or not
                 options = {"tags": idx}  # captures are keyed by the prompt's index in this call
                 if capture_dir is not None:
                     options["capture"] = str(Path(capture_dir) / f"attention-rank-{a}.safetensors")
@@ -365,7 +379,7 @@ class Cluster:
             r.conn.close()
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-        self._store = None
+        self._store = self._steps_store = None
         if self._set_run_id:
             os.environ.pop("AFD_RUN_ID", None)
 

@@ -117,6 +117,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def must_step(self) -> bool:
+        """Whether to step now: requests are unfinished, or the agreed steps of the attention ranks go on
+        (a disaggregated rank votes every step of a wave, with work or not)."""
+        return self.scheduler.has_unfinished() or getattr(self.runner, "in_wave", False)
+
     def abort(self, request_id: int) -> bool:
         """Drop a request wherever it is (waiting or running) and free its KV blocks; False if unknown or done."""
         req = self._requests.pop(request_id, None)
@@ -166,6 +171,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
+            if getattr(self.runner, "in_wave", False):
+                self.runner.idle()  # no work here this step: vote, run nothing
+                return []
             raise RuntimeError("scheduler produced an empty step with unfinished requests (KV cache too small?)")
         self.peak_blocks = max(self.peak_blocks, self.blocks.num_used_blocks)
         token_ids: list[int] = []
@@ -323,7 +331,7 @@ class LLMEngine:
         total = sum(sp.max_tokens for sp in per_prompt)
         # no tqdm object at all unless asked: it allocates a multiprocessing lock per process
         bar = tqdm(total=total, desc="generate", unit="tok", leave=False) if progress else None
-        while self.has_unfinished():
+        while self.must_step():
             for out in self.step():
                 done[out.request_id] = out
             if bar is not None:

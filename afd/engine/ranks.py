@@ -58,6 +58,7 @@ class RankSpec:
     engine: EngineArgs = field(default_factory=EngineArgs)
     link_timeout: float = 60.0
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    steps: tuple[str, int] | None = None  # (host, port) of the step agreement's store; None: one attention rank
 
     @property
     def name(self) -> str:
@@ -85,12 +86,11 @@ def selection_for(spec: RankSpec) -> WeightSelection:
             routers=t.gate == "attention",
             dense_mlp=t.dense_on == "attention",
         )
-    designated = any(t.designated_ffn_rank(a) == spec.index for a in range(t.num_attention_ranks))
-    return WeightSelection.experts_only(
+    return WeightSelection.experts_only(  # shared experts and dense layers on the FFN side: replicated on every FFN rank
         spec.placement.experts_of(spec.index),
-        shared_experts=t.shared_experts_on == "ffn" and designated,
+        shared_experts=t.shared_experts_on == "ffn",
         routers=t.gate == "ffn",
-        dense_mlp=t.dense_on == "ffn" and designated,
+        dense_mlp=t.dense_on == "ffn",
     )
 
 
@@ -147,7 +147,12 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
     e = spec.engine
     dtype = model.model.embed_tokens.weight.dtype
     cache = cache_config_for(model, e.kv_cache_memory, e.block_size, dtype)
-    runner = DisaggregatedRunner(model, cache, endpoint, t, spec.pipeline)
+    plane = None
+    if spec.steps is not None:
+        from afd.attention.steps import StepPlane
+
+        plane = StepPlane(spec.index, range(t.num_attention_ranks), *spec.steps, timeout=max(600.0, spec.link_timeout))
+    runner = DisaggregatedRunner(model, cache, endpoint, t, spec.pipeline, plane=plane)
     config = EngineConfig(cache=cache, max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                           dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
     tokenizer = Tokenizer(spec.model_dir) if (Path(spec.model_dir) / "tokenizer.json").is_file() else None  # token ids only
@@ -163,6 +168,8 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
                     from afd.obs.capture import CaptureStore
 
                     engine.capture = CaptureStore()
+                if plane is not None:  # every attention rank got this command: each joins the wave itself
+                    plane.join_wave(plane.waves_done)
                 outputs = engine.generate(prompts, params, tags=options.get("tags"))
                 if engine.capture is not None:
                     engine.capture.save(options["capture"])
@@ -211,7 +218,7 @@ def _capture(engine: LLMEngine, prompts: list[list[int]]) -> tuple[dict, torch.T
     blocks = BlockManager(engine.config.cache.num_blocks, engine.config.cache.block_size)
     chunks = [SeqChunk(blocks.ensure(i, len(p)), 0, len(p)) for i, p in enumerate(prompts)]
     logits = engine.runner.execute([t for p in prompts for t in p], chunks,
-                                   observer=lambda layer, b, x: values.__setitem__((layer, b), x.to("cpu", copy=True)))
+                                   observer=lambda layer, b, x: values.__setitem__((layer, b), x.to("cpu", copy=True)), solo=True)
     return values, logits.cpu()  # CPU tensors through the pipe, whatever the rank's device
 
 

@@ -7,11 +7,16 @@ pipe), so the front end talks to every replica the same way.
 Commands (front end -> replica):
     ("add", rid, prompt_ids, SamplingParams)   rid: the front end's request id
     ("abort", rid)                             the client went away: free its blocks
+    ("start_wave", w)                          every attention rank joins wave w of agreed steps
     ("stop",)                                  abort everything, reply ("stopped", stats), return
 Events (replica -> front end):
-    ("deltas", [TokenDelta], stats)            after every step; delta.tag is the rid
+    ("deltas", [TokenDelta], stats)            after every step that produced tokens; delta.tag is the rid
     ("rejected", rid, message)                 the request could not be admitted
+    ("need_wave", w)                           work arrived while the attention ranks wait: start wave w
     ("stats", stats)                           counters, when they changed while idle
+
+Attention ranks step together (afd/attention/steps.py): work arriving while they wait
+asks for the next wave, and the front end starts it on every rank, once.
 """
 
 from __future__ import annotations
@@ -43,10 +48,14 @@ def serve_requests(engine: LLMEngine, conn, extra_stats: Callable[[], dict] | No
             counts_sent = time.monotonic()
         return out
 
+    plane = getattr(engine.runner, "plane", None)  # the step agreement of a disaggregated rank (None: steps alone)
+    asked = -1  # the wave this rank last asked for
+    stopping = False
     changed = True
     while True:
-        timeout = 0.0 if engine.has_unfinished() else idle_poll
-        while conn.poll(timeout):
+        stepping = engine.has_unfinished() if plane is None else plane.in_wave
+        timeout = 0.0 if stepping or stopping else idle_poll
+        while not stopping and conn.poll(timeout):
             timeout = 0.0
             cmd = conn.recv()
             changed = True
@@ -60,22 +69,30 @@ def serve_requests(engine: LLMEngine, conn, extra_stats: Callable[[], dict] | No
                 eid = rids.pop(cmd[1], None)
                 if eid is not None:
                     engine.abort(eid)
+            elif cmd[0] == "start_wave":
+                plane.join_wave(cmd[1])
             elif cmd[0] == "stop":
                 for eid in rids.values():
                     engine.abort(eid)
-                conn.send(("stopped", stats(with_counts=True)))
-                return
+                stopping = True  # the wave this rank is in ends with the others' (all are stopping)
             else:
                 raise ValueError(f"serving loop: unknown command {cmd[0]!r}")
-        if engine.has_unfinished():
+        if plane is not None and not plane.in_wave and engine.has_unfinished() and asked < plane.waves_done:
+            asked = plane.waves_done  # work while the ranks wait: every rank must join the next wave
+            conn.send(("need_wave", asked))
+        if stopping and not (plane is not None and plane.in_wave):
+            conn.send(("stopped", stats(with_counts=True)))
+            return
+        if engine.must_step() and (plane is None or plane.in_wave):
             if fail_at is not None and engine.num_steps + 1 >= fail_at:
                 raise RuntimeError(f"injected engine fault at step {engine.num_steps + 1} (AFD_FAULT=engine-step@{fail_at})")
             deltas = engine.step_deltas()
-            for d in deltas:
-                if d.finish_reason is not None:
-                    rids.pop(d.tag, None)
-            conn.send(("deltas", deltas, stats()))
-            changed = True  # the idle report after the last step carries the final counters
+            if deltas:  # an idle step of a wave (a vote, no model pass) produces none
+                for d in deltas:
+                    if d.finish_reason is not None:
+                        rids.pop(d.tag, None)
+                conn.send(("deltas", deltas, stats()))
+                changed = True  # the idle report after the last step carries the final counters
         elif changed:
             conn.send(("stats", stats(with_counts=True)))
             changed = False

@@ -1,14 +1,23 @@
-"""The FFN worker loop: receive work items, compute, send results. It never needs the request schedule.
+"""The FFN worker loop: receive work parts, compute each (step, layer, micro-batch) union once, send results.
 
-It batches: after the first work item arrives, every item already waiting is
-drained too, and items of the same layer and operations -- from any attention
-rank and any micro-batch -- run as one grouped GEMM per expert; each sender
-still gets its own result, with its own header.
+Work is aggregated: the attention ranks agree on each step (afd/attention/steps.py), and every
+contributor of a (step, micro-batch) sends this rank a part for each layer -- empty when it has no
+rows for it -- with the membership epoch and the contributor bitmask in the header. When a union
+holds a part from every contributor it is computed once: the non-empty parts concatenated in
+attention-rank order (never arrival order, so the result is the same every run), one grouped GEMM pair
+per expert over all their rows; each sender gets its own rows back, under its own header. A union is
+never merged with another micro-batch or layer and never waits on a timer: it is computed the moment
+it is whole. Messages already waiting are drained (``recv(0.0)``) before computing, so every union
+they complete is computed in that round.
 
-Every work item is checked before it is computed: a known layer, operations
-that fit that layer, and, per attention rank, (sequence, layer, micro-batch)
-strictly increasing (the ping-pong schedule dispatches in that order) -- a message from the past or a skipped layer is a protocol error
-naming both ranks, never a silently mispaired tensor.
+Every part is checked before it is kept: a known layer, operations that fit that layer, per attention
+rank (step, layer, micro-batch) strictly increasing (the ping-pong schedule dispatches in that order),
+a sender among the contributors, and the same epoch, contributors and operations as the union's other
+parts -- a mismatch is a protocol error naming both ranks, never a silently mispaired tensor.
+
+Counters: unions computed (``batches``), non-empty parts per union, expert GEMMs and their rows, the
+straggler wait (first part to last part of a union), and busy time both as CPU time of the computing
+thread (what the work costs) and as wall time (which also grows when processes outnumber cores).
 """
 
 from __future__ import annotations
@@ -16,16 +25,30 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
-from afd.connectors.endpoints import error_message, parse_work, result_message
+from afd.connectors.endpoints import WorkItem, error_message, parse_work, result_message
 from afd.connectors.protocol import Header, Kind, Op, ProtocolError, Role, make_message
 from afd.connectors.transport import Mailbox
 from afd.models.base import MoEModel
 from afd.types import Routing
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Union:
+    """The parts of one (epoch, step, layer, micro-batch) received so far."""
+
+    members: int  # contributor bitmask
+    ops: Op
+    parts: dict[int, WorkItem] = field(default_factory=dict)  # attention rank -> its part
+
+    @property
+    def is_whole(self) -> bool:
+        return len(self.parts) == self.members.bit_count()
 
 
 class FFNWorker:
@@ -35,23 +58,30 @@ class FFNWorker:
         self._held = torch.tensor(model.expert_ids, device=mailbox.device)  # the expert ids this rank computes
         self.num_attention_ranks = num_attention_ranks
         self.poll_interval = poll_interval
-        self.items_served = 0
+        self.items_served = 0  # non-empty parts computed
+        self.empty_parts = 0
         self.tokens_served = 0
-        self.batches = 0  # grouped computations (one or more work items each)
+        self.batches = 0  # unions computed (one or more non-empty parts each)
         self.expert_gemms = 0  # expert GEMM pairs run
         self.expert_gemm_rows = 0  # rows over all of them
-        self.max_drain = 64
+        self.max_drain = 256
         self.delay = 0.0  # seconds slept per batch: a slow FFN side, for tests and benchmarks
-        self.busy_s = 0.0  # time spent computing
-        self.owed: dict[int, int] = {}  # attention rank -> work items received, results not yet sent
+        self.busy_s = 0.0  # wall time computing
+        self.busy_cpu_s = 0.0  # CPU time of this thread computing
+        self.straggler_wait_s = 0.0  # summed over unions: first part received -> last part received
+        self.owed: dict[int, int] = {}  # attention rank -> parts received with rows, results not yet sent
         self.spans: deque = deque(maxlen=200_000)  # (start, end, layer, ((attention rank, mb, seq), ...), rows)
-        self._last: dict[int, tuple[int, int, int]] = {}  # attention rank -> last (seq, layer, micro-batch)
+        self.arrivals: deque = deque(maxlen=200_000)  # (attention rank, seq, layer, micro-batch) in arrival order
+        self._last: dict[tuple[int, int], tuple[int, int, int]] = {}  # (attention rank, epoch) -> last (seq, layer, micro-batch)
+        self._unions: dict[tuple[int, int, int, int], _Union] = {}  # (epoch, seq, layer, micro-batch) -> parts so far
         self.on_tick = None  # called with no arguments when counters changed, at most every tick_interval s
         self.tick_interval = 1.0
         self._ticked_at = 0.0
         self._ticked_batches = 0
 
-    def compute(self, layer: int, ops: Op, hidden: torch.Tensor, routing) -> torch.Tensor:
+    def compute(self, layer: int, ops: Op, hidden: torch.Tensor, routing, shared_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """One union's FFN half: hidden [N, H] -> [N, H]; ``shared_rows`` [N] bool: where this rank adds
+        the shared experts (their rows' slice)."""
         m = self.model
         if Op.DENSE in ops:
             return m.dense_mlp(layer, hidden)
@@ -59,10 +89,12 @@ class FFNWorker:
             routing = m.router(layer, hidden)
         self._count_gemms(routing.topk_ids)
         out = m.experts(layer, hidden, routing)
-        if Op.SHARED in ops:
-            shared = m.shared_experts(layer, hidden)
-            if shared is not None:
-                out = out + shared
+        if Op.SHARED in ops and shared_rows is not None:
+            rows = shared_rows.nonzero().squeeze(1)
+            if rows.numel():
+                shared = m.shared_experts(layer, hidden[rows])
+                if shared is not None:
+                    out = out.index_add(0, rows, shared.to(out.dtype))
         return out
 
     def _count_gemms(self, ids: torch.Tensor) -> None:
@@ -77,10 +109,8 @@ class FFNWorker:
         return self.expert_gemm_rows / max(1, self.expert_gemms)
 
     def stats(self) -> dict[str, float]:
-        return {"items": self.items_served, "tokens": self.tokens_served, "batches": self.batches,
-                "expert_gemms": self.expert_gemms, "mean_gemm_rows": self.mean_gemm_rows, "busy_s": self.busy_s,
-                "items_per_batch": self.items_served / max(1, self.batches),
-                "heartbeats_received": self.mailbox.stats.heartbeats_received, "spans": list(self.spans)}
+        return {**self.live_stats(), "heartbeats_received": self.mailbox.stats.heartbeats_received, "spans": list(self.spans),
+                "arrivals": list(self.arrivals)}
 
     def _check(self, h) -> None:
         me = self.mailbox.name
@@ -89,14 +119,39 @@ class FFNWorker:
             raise ProtocolError(f"{me}: work from {h.source} for layer {h.layer}, the model has {cfg.num_layers}")
         if (Op.DENSE in h.ops) == cfg.is_moe_layer(h.layer):
             raise ProtocolError(f"{me}: work from {h.source} asks for ops {int(h.ops)} on layer {h.layer}, which is {'an MoE' if cfg.is_moe_layer(h.layer) else 'a dense'} layer")
+        if not h.members >> h.src_index & 1:
+            raise ProtocolError(f"{me}: work from {h.source}, which is not among the step's contributors {_ranks(h.members)}")
         key = (h.seq, h.layer, h.microbatch)
-        last = self._last.get(h.src_index)
+        last = self._last.get((h.src_index, h.epoch))
         if last is not None and key <= last:
             raise ProtocolError(
                 f"{me}: work from {h.source} out of order: (seq {h.seq}, layer {h.layer}, micro-batch {h.microbatch}) "
-                f"after (seq {last[0]}, layer {last[1]}, micro-batch {last[2]})"
+                f"after (seq {last[0]}, layer {last[1]}, micro-batch {last[2]}) in epoch {h.epoch}"
             )
-        self._last[h.src_index] = key
+        self._last[(h.src_index, h.epoch)] = key
+
+    def _add(self, item: WorkItem) -> tuple[tuple[int, int, int, int], _Union] | None:
+        """Keep one part; the union's key and parts when this part made it whole."""
+        h = item.header
+        key = (h.epoch, h.seq, h.layer, h.microbatch)
+        union = self._unions.get(key)
+        if union is None:
+            union = self._unions[key] = _Union(h.members, h.ops)
+        elif (union.members, union.ops) != (h.members, h.ops):
+            raise ProtocolError(
+                f"{self.mailbox.name}: work from {h.source} for (epoch {h.epoch}, seq {h.seq}, layer {h.layer}, micro-batch "
+                f"{h.microbatch}) names contributors {_ranks(h.members)} and ops {int(h.ops)}; other parts said "
+                f"{_ranks(union.members)} and {int(union.ops)}"
+            )
+        union.parts[h.src_index] = item
+        self.arrivals.append((h.src_index, h.seq, h.layer, h.microbatch))
+        if h.num_tokens:
+            self.owed[h.src_index] = self.owed.get(h.src_index, 0) + 1
+        else:
+            self.empty_parts += 1
+        if union.is_whole:
+            return key, self._unions.pop(key)
+        return None
 
     @torch.inference_mode()
     def serve(self) -> None:
@@ -114,7 +169,7 @@ class FFNWorker:
                 if more is None:
                     break
                 batch.append(more)
-            work = []
+            whole = []
             for msg in batch:
                 h = msg.header
                 if h.kind == Kind.SHUTDOWN:  # the mailbox stopped listening to it as it read this
@@ -128,12 +183,14 @@ class FFNWorker:
                         if h.kind != Kind.WORK:
                             raise ProtocolError(f"{self.mailbox.name}: unexpected {h.kind.name} from {h.source}")
                         self._check(h)
-                        work.append(parse_work(msg, self.mailbox.name))
-                        self.owed[h.src_index] = self.owed.get(h.src_index, 0) + 1
+                        done = self._add(parse_work(msg, self.mailbox.name))
+                        if done is not None:
+                            whole.append(done)
                     except ProtocolError as e:
                         self._report(h.src_index, str(e))
                         raise
-            self._serve_batch(work)
+            for key, union in sorted(whole, key=lambda kv: kv[0]):
+                self._serve_union(key[2], union)
 
     def owes(self, attention_rank: int) -> bool:
         """Whether results are still owed to this attention rank (it waits, so it reads its link)."""
@@ -150,38 +207,47 @@ class FFNWorker:
 
     def live_stats(self) -> dict:
         """The counters a server exports (no spans): work served, busy time, per-expert tokens."""
-        return {"items": self.items_served, "tokens": self.tokens_served, "batches": self.batches,
-                "mean_gemm_rows": self.mean_gemm_rows, "busy_s": self.busy_s, "expert_tokens": self.model.expert_token_counts()}
+        return {"items": self.items_served, "empty_parts": self.empty_parts, "tokens": self.tokens_served, "batches": self.batches,
+                "items_per_batch": self.items_served / max(1, self.batches), "expert_gemms": self.expert_gemms,
+                "mean_gemm_rows": self.mean_gemm_rows, "busy_s": self.busy_s, "busy_cpu_s": self.busy_cpu_s,
+                "straggler_wait_s": self.straggler_wait_s, "expert_tokens": self.model.expert_token_counts()}
 
-    def _serve_batch(self, work: list) -> None:
-        groups: dict[tuple[int, int], list] = {}
-        for item in work:
-            groups.setdefault((item.header.layer, int(item.header.ops)), []).append(item)
-        for (layer, ops), items in groups.items():
-            hidden = torch.cat([it.hidden for it in items])
-            routing = None
-            if items[0].routing is not None:
-                routing = Routing(torch.cat([it.routing.topk_ids for it in items]), torch.cat([it.routing.topk_weights for it in items]))
-            t0 = time.perf_counter()
-            out = self.compute(layer, Op(ops), hidden, routing).to(hidden.dtype)
-            if self.delay:  # an injected slow FFN side counts as compute time
-                time.sleep(self.delay)
-            t1 = time.perf_counter()
-            self.busy_s += t1 - t0
-            self.spans.append((t0, t1, layer, tuple((it.header.src_index, it.header.microbatch, it.header.seq) for it in items), int(hidden.shape[0])))
-            self.batches += 1
-            start = 0
-            for it in items:
-                n = it.hidden.shape[0]
-                h = it.header
-                self.mailbox.send(h.src_index, result_message(h, self.mailbox.index, out[start : start + n]))
-                self.owed[h.src_index] -= 1
-                start += n
-                self.items_served += 1
-                self.tokens_served += n
+    def _serve_union(self, layer: int, union: _Union) -> None:
+        arrived = [it.received_at for it in union.parts.values()]
+        self.straggler_wait_s += max(arrived) - min(arrived)
+        items = [union.parts[a] for a in sorted(union.parts) if union.parts[a].header.num_tokens]  # attention-rank order
+        if not items:
+            return  # every contributor had nothing for this rank
+        hidden = torch.cat([it.hidden for it in items]) if len(items) > 1 else items[0].hidden
+        routing = None
+        if items[0].routing is not None:
+            routing = Routing(torch.cat([it.routing.topk_ids for it in items]), torch.cat([it.routing.topk_weights for it in items]))
+        shared = torch.cat([it.shared_rows for it in items]) if items[0].shared_rows is not None else None
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = self.compute(layer, union.ops, hidden, routing, shared).to(hidden.dtype)
+        if self.delay:  # an injected slow FFN side counts as compute time
+            time.sleep(self.delay)
+        t1 = time.perf_counter()
+        self.busy_s += t1 - t0
+        self.busy_cpu_s += time.thread_time() - c0 + self.delay
+        self.spans.append((t0, t1, layer, tuple((it.header.src_index, it.header.microbatch, it.header.seq) for it in items), int(hidden.shape[0])))
+        self.batches += 1
+        start = 0
+        for it in items:
+            n = it.hidden.shape[0]
+            h = it.header
+            self.mailbox.send(h.src_index, result_message(h, self.mailbox.index, out[start : start + n]))
+            self.owed[h.src_index] -= 1
+            start += n
+            self.items_served += 1
+            self.tokens_served += n
 
     def _report(self, attention_rank: int, text: str) -> None:
         try:
             self.mailbox.send(attention_rank, error_message(self.mailbox.index, attention_rank, text))
         except Exception:  # the peer may be gone too; the launcher reports this rank's exit
             log.debug("could not report error to attention rank %d", attention_rank)
+
+
+def _ranks(mask: int) -> list[int]:
+    return [a for a in range(mask.bit_length()) if mask >> a & 1]

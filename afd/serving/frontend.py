@@ -105,6 +105,7 @@ class ClusterReplicas:
         self.pipeline = pipeline
         self.num = len(cluster.attention_ranks())
         self._lock = threading.Lock()
+        self._wave = -1  # the last wave of agreed steps started on every rank
 
     def start(self) -> None:
         for i in range(self.num):
@@ -118,9 +119,19 @@ class ClusterReplicas:
         from afd.engine.launcher import RankFailedError
 
         try:
-            return self.cluster.poll(timeout)
+            events = self.cluster.poll(timeout)
         except RankFailedError as e:
             raise ReplicaFailed(str(e)) from None
+        out = []
+        for replica, msg in events:
+            if msg[0] == "need_wave":  # a rank got work while all wait: every rank joins the next wave, once
+                if msg[1] > self._wave:
+                    self._wave = msg[1]
+                    for i in range(self.num):
+                        self.send(i, ("start_wave", msg[1]))
+            else:
+                out.append((replica, msg))
+        return out
 
     def rank_info(self) -> list[dict]:
         return [{"name": r.spec.name, "pid": r.ready.pid if r.ready else None} for r in self.cluster.ranks]

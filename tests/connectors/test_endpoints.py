@@ -52,8 +52,9 @@ def serve_once(model, box):
     if msg is None:
         return None
     item = parse_work(msg, box.name)
-    out = FFNWorker(model, box, 1).compute(msg.header.layer, msg.header.ops, item.hidden, item.routing)
-    box.send(0, result_message(msg.header, box.index, out))
+    if msg.header.num_tokens:  # an empty part gets no result
+        out = FFNWorker(model, box, 1).compute(msg.header.layer, msg.header.ops, item.hidden, item.routing, item.shared_rows)
+        box.send(0, result_message(msg.header, box.index, out))
     return msg
 
 
@@ -68,9 +69,10 @@ def test_each_ffn_rank_gets_exactly_its_rows_ids_and_weights(model):
     for r, box in enumerate(boxes):
         # pure-torch reference of M2N routing
         ref_rows = [t for t in range(23) if any(owner[e] == r for e in routing.topk_ids[t].tolist())]
-        msg = box.recv(1)
+        msg = box.recv(1)  # every FFN rank gets a part of the union, empty where no row chose its experts
+        assert msg.header.members == 1 and msg.header.epoch == 0
         if not ref_rows:
-            assert msg is None
+            assert msg.header.num_tokens == 0 and msg.tensors[TensorName.HIDDEN].shape[0] == 0
             continue
         ids = msg.tensors[TensorName.EXPERT_IDS].long()
         assert msg.header.num_tokens == len(ref_rows)
@@ -100,12 +102,15 @@ def test_combine_equals_the_monolithic_ffn_and_bytes_match_the_formula(model, ff
     h, k, b = model.config.hidden_size, model.config.moe.top_k, 4
     owner = torch.tensor(placement.expert_to_rank)
     for r, box in enumerate(boxes):
+        in_slice = torch.zeros(17, dtype=torch.bool)
+        if shared_on == "ffn":  # shared experts replicated, split by rows: rank r takes the r-th slice
+            in_slice[17 * r // F : 17 * (r + 1) // F] = True
+        shared_byte = 1 if shared_on == "ffn" else 0
         if gate == "ffn":
-            n, per_row = 17, h * b
+            n, per_row = 17, h * b + shared_byte
         else:
-            designated = shared_on == "ffn" and r == endpoint.designated
-            n = 17 if designated else int((owner[routing.topk_ids] == r).any(1).sum())
-            per_row = h * b + 8 * k
+            n = int(((owner[routing.topk_ids] == r).any(1) | in_slice).sum())
+            per_row = h * b + 8 * k + shared_byte
         assert endpoint.mailbox.stats.payload_bytes_sent.get(r, 0) == n * per_row
         assert box.stats.payload_bytes_sent.get(0, 0) == n * h * b
 

@@ -1,0 +1,158 @@
+"""Agreed steps: the attention ranks of a membership epoch step together, so that an FFN rank can
+compute each (step, layer, micro-batch) once over the union of every contributor's rows.
+
+**A step.** Before step s every member publishes a vote -- the (start, length) spans of the chunks its
+scheduler chose for the step, nothing when it has no work -- and reads every member's vote. From the
+same votes every member computes the same :class:`StepPlan` (:func:`decide`): the contributors (the
+members that voted work) and the micro-batch count m. Which ranks take part therefore depends only on
+their schedulers, never on message timing. Each contributor cuts its own batch into m micro-batches
+(fewer tokens than m: the missing ones are empty) and, for every (layer, micro-batch), sends every FFN
+rank a part, empty where it has no rows for it; the work header carries the epoch and the contributor
+bitmask, so the FFN rank knows when a union is whole.
+
+**A rank with no work** runs no model pass and sends nothing to the FFN ranks: it only votes, one
+small exchange per step, while others work.
+
+**Waves.** While any member has work, all members vote every step (a wave). A step with no
+contributor ends the wave; every member sees that same decision, so all stop at the same step and
+wait for commands. Work arriving while the ranks wait starts the next wave, numbered by the waves
+done: the rank that got it asks for wave w (``need_wave``), the front end tells every rank to join
+(``start_wave``) once per w, and a rank ignores a start for a wave it has finished. A batch command
+(``afd generate``) is sent to every rank at once, and each joins the wave itself.
+
+**The epoch** is the membership the steps are agreed under: epoch 0 is every attention rank of the
+launch. A later change of membership (a failed or added rank) is a new epoch with its own members,
+not a change to the step protocol.
+
+The votes travel through a ``torch.distributed.TCPStore`` the launcher hosts: per step, one ``set``
+and one ``multi_get`` per rank (and a ``delete`` of the step before last).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from afd.config import PipelineConfig
+from afd.pipeline import CostModel, MicrobatchPlan, choose_plan, plan_microbatches
+
+Spans = tuple[tuple[int, int], ...]  # (start position, new tokens) per chunk, in batch order
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What the members agreed for one step."""
+
+    epoch: int
+    step: int
+    contributors: tuple[int, ...]  # attention ranks with work, ascending
+    num_microbatches: int
+    requested: int = 0  # the m asked for (configured, or chosen by auto) before the cap to what contributors can form
+    votes: tuple[Spans, ...] = ()  # per member, in member order (the inputs of the decision)
+    estimates: tuple[tuple[int, float], ...] = ()  # auto: the simulated step time of each m tried
+
+    @property
+    def mask(self) -> int:
+        """The contributors as a bitmask (bit a: attention rank a), as work headers carry it."""
+        return sum(1 << r for r in self.contributors)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.contributors
+
+
+def decide(epoch: int, step: int, members: Sequence[int], votes: Sequence[Spans], pipeline: PipelineConfig,
+           num_layers: int, cost: CostModel) -> StepPlan:
+    """The step's plan from every member's vote: a pure function, so every member computes the same.
+
+    m: 1 in sync mode; with ``auto``, the fastest m for the union of every contributor's chunks
+    (:func:`choose_plan`); else the configured m. It is then capped to the most pieces any contributor
+    can form (tokens, or requests for the ``request`` split), so that no micro-batch is empty on every
+    rank."""
+    contributors = tuple(r for r, v in zip(members, votes) if v)
+    if not contributors:
+        return StepPlan(epoch, step, (), 0, 0, tuple(votes))
+    if pipeline.mode == "sync":
+        return StepPlan(epoch, step, contributors, 1, 1, tuple(votes))
+    estimates: tuple = ()
+    if pipeline.adaptive:
+        union = [span for v in votes for span in v]
+        chosen = choose_plan(union, pipeline.num_microbatches, num_layers, pipeline.split, cost, pipeline.credits)
+        m, estimates = chosen.num_microbatches, chosen.estimates
+    else:
+        m = pipeline.effective_microbatches
+    agreed = max(own_plan(v, m, pipeline, cost).num_microbatches for v in votes if v)
+    return StepPlan(epoch, step, contributors, agreed, m, tuple(votes), estimates)
+
+
+def own_plan(spans: Spans, m: int, pipeline: PipelineConfig, cost: CostModel) -> MicrobatchPlan:
+    """One contributor's cut of its own batch into at most m micro-batches (same on every rank). An
+    ``auto`` m was chosen knowing the sizes; a fixed one yields to ``min_microbatch_tokens``."""
+    min_tokens = 1 if pipeline.adaptive else pipeline.min_microbatch_tokens
+    return plan_microbatches(spans, m, pipeline.split, cost, min_tokens)
+
+
+def encode_vote(spans: Spans) -> bytes:
+    return json.dumps(spans, separators=(",", ":")).encode()
+
+
+def decode_vote(data: bytes) -> Spans:
+    return tuple((int(a), int(b)) for a, b in json.loads(data))
+
+
+class StepPlane:
+    """One attention rank's side of the agreement: votes through the launcher's TCPStore."""
+
+    def __init__(self, rank: int, members: Sequence[int], host: str, port: int, timeout: float = 600.0, epoch: int = 0) -> None:
+        import torch.distributed as dist
+
+        if rank not in members:
+            raise ValueError(f"attention rank {rank} is not a member of epoch {epoch}: {list(members)}")
+        self.store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout))
+        self.rank, self.members, self.epoch = rank, tuple(members), epoch
+        self.step = 1  # the next step to agree (numbered from 1)
+        self.in_wave = False
+        self.waves_done = 0
+        self.num_votes = 0
+        self.num_idle_votes = 0  # steps this rank voted without work (it ran no model pass)
+
+    def _key(self, step: int, rank: int) -> str:
+        return f"afd/steps/e{self.epoch}/s{step}/a{rank}"
+
+    def join_wave(self, wave: int) -> bool:
+        """Join wave ``wave`` unless it is done already (a start that arrives late); True if joined."""
+        if self.in_wave or wave != self.waves_done:
+            return False
+        self.in_wave = True
+        return True
+
+    def agree(self, spans: Spans, pipeline: PipelineConfig, num_layers: int, cost: CostModel) -> StepPlan:
+        """Vote ``spans`` (empty: no work) for the next step and return what every member agreed."""
+        if not self.in_wave:
+            raise RuntimeError(f"attention rank {self.rank}: a step outside a wave (a bug: every member must be in it)")
+        s = self.step
+        self.store.set(self._key(s, self.rank), encode_vote(spans))
+        raw = self.store.multi_get([self._key(s, r) for r in self.members])
+        if s >= 3:  # every member has read step s - 2's votes before it could vote for s - 1
+            self.store.delete_key(self._key(s - 2, self.rank))
+        plan = decide(self.epoch, s, self.members, [decode_vote(v) for v in raw], pipeline, num_layers, cost)
+        self.step += 1
+        self.num_votes += 1
+        self.num_idle_votes += not spans
+        if plan.is_empty:
+            self.in_wave = False
+            self.waves_done += 1
+        return plan
+
+
+SOLO_EPOCH = 0x8000  # + rank: the epoch of a rank's solo steps (a membership of one)
+
+
+def local_plan(step: int, rank: int, spans: Spans, pipeline: PipelineConfig, num_layers: int, cost: CostModel,
+               epoch: int = 0) -> StepPlan:
+    """The plan of a rank that agrees with nobody: the only attention rank (epoch 0), or a solo step of
+    one rank of several (a capture: its own epoch, ``SOLO_EPOCH + rank``, with its own step numbers)."""
+    return replace(decide(epoch, step, (rank,), (spans,), pipeline, num_layers, cost), votes=())
