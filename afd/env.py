@@ -19,6 +19,7 @@ VARIABLES: dict[str, str] = {
     "AFD_E2E_ATTENTION_DEVICES": "tests/e2e: the attention devices of every end-to-end case (default cpu)",
     "AFD_E2E_FFN_DEVICES": "tests/e2e: the FFN devices of every end-to-end case (default cpu,cpu)",
     "AFD_FFN_DELAY_MS": "testing/benchmarks only: FFN ranks sleep this long per computed batch (a slow FFN side)",
+    "AFD_SEND_JITTER_MS": "testing only: every rank sleeps a random 0..N ms before each message it sends (arrival order varies)",
     "AFD_FAULT": "testing only: inject a protocol fault on attention rank 0's N-th work message "
     "(corrupt-header|wrong-layer|wrong-seq|truncate[@N], default N=3)",
 }
@@ -72,3 +73,9 @@ def ffn_delay() -> float:
 def e2e_devices() -> tuple[str, str]:
     """(attention devices, FFN devices) for the end-to-end cases, as --attention-devices/--ffn-devices values."""
     return os.environ.get("AFD_E2E_ATTENTION_DEVICES", "cpu"), os.environ.get("AFD_E2E_FFN_DEVICES", "cpu,cpu")
+
+
+def send_jitter() -> float:
+    """Most seconds a rank sleeps, at random, before each message it sends (AFD_SEND_JITTER_MS; 0 = off)."""
+    value = os.environ.get("AFD_SEND_JITTER_MS")
+    return float(value) / 1000 if value else 0.0

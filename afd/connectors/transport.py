@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -67,6 +68,7 @@ class Mailbox(ABC):
         self.stats = LinkStats()
         self.io_log = io_log
         self.fault: tuple[str, int] | None = None  # (kind, n): corrupt the n-th work message (tests)
+        self.jitter = 0.0  # tests: sleep a random 0..jitter s before each send (AFD_SEND_JITTER_MS)
         self._work_sent = 0
         self._send_lock = threading.Lock()  # the heartbeat thread sends too
         self._last_sent: dict[int, float] = {}
@@ -128,6 +130,8 @@ class Mailbox(ABC):
         transport sends asynchronously, without a copy): never modify them in place afterwards."""
         header_bytes, tensors = encode(message)
         payload = [flat_bytes(t.to(self.wire_device)) for t in tensors]  # 1-d uint8, views where possible
+        if self.jitter:
+            time.sleep(random.uniform(0.0, self.jitter))
         if self.fault is not None and message.header.kind == Kind.WORK:
             self._work_sent += 1
             if self._work_sent == self.fault[1]:

@@ -322,6 +322,21 @@ class Cluster:
         return [(index[id(r)], msg) for r, msg in self._poll(time.monotonic() + 24 * 3600, "events", max_wait=timeout)
                 if id(r) in index]
 
+    def request_all(self, commands: Sequence[tuple], reply: str, timeout: float = 600.0) -> list:
+        """Send attention rank i ``commands[i]`` (all at once) and wait for every reply, in rank order."""
+        ranks = self.attention_ranks()
+        if len(commands) != len(ranks):
+            raise ValueError(f"{len(commands)} commands for {len(ranks)} attention ranks")
+        for r, command in zip(ranks, commands):
+            r.conn.send(command)
+        replies: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(replies) < len(ranks):
+            for r, msg in self._poll(deadline, reply):
+                if msg[0] == reply:
+                    replies[ranks.index(r)] = msg[1]
+        return [replies[i] for i in range(len(ranks))]
+
     def request(self, rank: int, command: tuple, reply: str, timeout: float = 600.0):
         """Send one command to an attention rank and wait for its reply (tests, stats, capture)."""
         target = self.attention_ranks()[rank]

@@ -138,6 +138,7 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
     model, ready = _load(spec)
     t = spec.topology
     mailbox = make_mailbox(spec.link, Role.ATTENTION, spec.index, t.num_ffn_ranks, hub, spec.device.torch_device)
+    mailbox.jitter = env.send_jitter()
     fault = env.fault()
     if fault is not None and spec.index == 0 and fault[0] != "engine-step":
         mailbox.fault = fault
@@ -188,8 +189,12 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
                 conn.send(("trace", None))
             elif cmd[0] == "get_trace":
                 conn.send(("get_trace", (list(runner.trace or []), runner.last_plan)))
-            elif cmd[0] == "capture":
-                conn.send(("capture", _capture(engine, cmd[1])))
+            elif cmd[0] == "capture":  # ("capture", prompts[, together]): see _capture
+                conn.send(("capture", _capture(engine, cmd[1], together=len(cmd) > 2 and cmd[2])))
+            elif cmd[0] == "runner_stats":
+                conn.send(("runner_stats", {"steps": runner.num_steps, "idle_steps": runner.num_idle_steps,
+                                            "degraded_steps": runner.num_degraded_steps,
+                                            "votes": plane.num_votes if plane is not None else 0}))
             elif cmd[0] == "stats":
                 conn.send(("stats", mailbox.stats))
             elif cmd[0] == "sleep":  # tests: keep this rank's links idle
@@ -212,19 +217,32 @@ def _link_stats(mailbox, endpoint: AttentionEndpoint) -> dict:
             "connector_wait_s": endpoint.wait_s}
 
 
-def _capture(engine: LLMEngine, prompts: list[list[int]]) -> tuple[dict, torch.Tensor]:
-    """One prefill batch of token-id prompts with every boundary captured (for parity checks)."""
+def _capture(engine: LLMEngine, prompts: list[list[int]], together: bool = False) -> tuple[dict, torch.Tensor] | None:
+    """One prefill batch of token-id prompts with every boundary captured (for parity checks). Alone
+    (a solo step), or ``together``: every attention rank got the command and they run it as one
+    agreed step, aggregated on the FFN ranks (a rank with no prompts votes without work; None)."""
+    runner = engine.runner
+    if together:
+        runner.plane.join_wave(runner.plane.waves_done)
     values: dict = {}
-    blocks = BlockManager(engine.config.cache.num_blocks, engine.config.cache.block_size)
-    chunks = [SeqChunk(blocks.ensure(i, len(p)), 0, len(p)) for i, p in enumerate(prompts)]
-    logits = engine.runner.execute([t for p in prompts for t in p], chunks,
-                                   observer=lambda layer, b, x: values.__setitem__((layer, b), x.to("cpu", copy=True)), solo=True)
-    return values, logits.cpu()  # CPU tensors through the pipe, whatever the rank's device
+    out = None
+    if prompts:
+        blocks = BlockManager(engine.config.cache.num_blocks, engine.config.cache.block_size)
+        chunks = [SeqChunk(blocks.ensure(i, len(p)), 0, len(p)) for i, p in enumerate(prompts)]
+        logits = runner.execute([t for p in prompts for t in p], chunks, solo=not together,
+                                observer=lambda layer, b, x: values.__setitem__((layer, b), x.to("cpu", copy=True)))
+        out = values, logits.cpu()  # CPU tensors through the pipe, whatever the rank's device
+    elif together:
+        runner.idle()
+    while together and runner.in_wave:  # the next step has no work anywhere: the wave ends
+        runner.idle()
+    return out
 
 
 def _ffn_main(spec: RankSpec, conn, hub) -> None:
     model, ready = _load(spec)
     mailbox = make_mailbox(spec.link, Role.FFN, spec.index, spec.topology.num_attention_ranks, hub, spec.device.torch_device)
+    mailbox.jitter = env.send_jitter()
     conn.send(("ready", ready))
     try:
         worker = FFNWorker(model, mailbox, spec.topology.num_attention_ranks)

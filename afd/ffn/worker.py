@@ -70,6 +70,7 @@ class FFNWorker:
         self.busy_cpu_s = 0.0  # CPU time of this thread computing
         self.straggler_wait_s = 0.0  # summed over unions: first part received -> last part received
         self.owed: dict[int, int] = {}  # attention rank -> parts received with rows, results not yet sent
+        self.tokens_by_rank: dict[int, int] = {}  # attention rank -> rows computed for it
         self.spans: deque = deque(maxlen=200_000)  # (start, end, layer, ((attention rank, mb, seq), ...), rows)
         self.arrivals: deque = deque(maxlen=200_000)  # (attention rank, seq, layer, micro-batch) in arrival order
         self._last: dict[tuple[int, int], tuple[int, int, int]] = {}  # (attention rank, epoch) -> last (seq, layer, micro-batch)
@@ -210,7 +211,8 @@ class FFNWorker:
         return {"items": self.items_served, "empty_parts": self.empty_parts, "tokens": self.tokens_served, "batches": self.batches,
                 "items_per_batch": self.items_served / max(1, self.batches), "expert_gemms": self.expert_gemms,
                 "mean_gemm_rows": self.mean_gemm_rows, "busy_s": self.busy_s, "busy_cpu_s": self.busy_cpu_s,
-                "straggler_wait_s": self.straggler_wait_s, "expert_tokens": self.model.expert_token_counts()}
+                "straggler_wait_s": self.straggler_wait_s, "tokens_by_rank": dict(self.tokens_by_rank),
+                "expert_tokens": self.model.expert_token_counts()}
 
     def _serve_union(self, layer: int, union: _Union) -> None:
         arrived = [it.received_at for it in union.parts.values()]
@@ -241,6 +243,7 @@ class FFNWorker:
             start += n
             self.items_served += 1
             self.tokens_served += n
+            self.tokens_by_rank[h.src_index] = self.tokens_by_rank.get(h.src_index, 0) + n
 
     def _report(self, attention_rank: int, text: str) -> None:
         try:
