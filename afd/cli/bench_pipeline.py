@@ -9,6 +9,11 @@ attention rank's runtime trace), FFN busy % and mean rows per expert GEMM
 ``--interleave``: every split mode on one launch, in rounds (each round runs
 each mode once), so a slow phase of a noisy machine hits every mode alike;
 only times are reported then.
+
+``--attention-ranks 1,2,4``: FFN aggregation instead. For each A, one launch of A
+attention ranks against the FFN ranks (unpinned), the async pipeline on the same
+total load (``--per-rank-load``: the load times A): rows per expert GEMM, parts
+per FFN batch, FFN CPU seconds per generated token, the straggler wait, tokens/s.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--transfer-us", type=float, default=100.0, help="one-way message cost the auto row assumes when fitting here (default 100)")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--interleave", action="store_true", help="run the split modes on one launch, round by round (times only)")
+    p.add_argument("--attention-ranks", help="FFN aggregation: a comma list of attention-rank counts (e.g. 1,2,4), each against "
+                                             "--ffn-ranks FFN ranks, async, at the same total load")
+    p.add_argument("--ffn-ranks", type=int, default=1, help="with --attention-ranks: FFN ranks (default 1)")
+    p.add_argument("--per-rank-load", action="store_true", help="with --attention-ranks: --num-seqs per attention rank, not in all")
     p.add_argument("--json", dest="json_out")
     p.set_defaults(func=run)
 
@@ -54,13 +63,18 @@ def _workload(vocab: int, args) -> list[list[int]]:
     return [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.num_seqs)]
 
 
-def _cluster(model_dir: Path, args, pipeline: PipelineConfig | None = None):
-    """The benchmark's 1A1F cluster (not started) and the workload's sampling parameters."""
+def _cluster(model_dir: Path, args, pipeline: PipelineConfig | None = None, attention_ranks: int | None = None):
+    """The benchmark's cluster (not started; 1A1F on the given devices, or A unpinned attention ranks)
+    and the workload's sampling parameters."""
     from afd.distributed.topology import Topology, parse_devices
     from afd.engine.launcher import Cluster
     from afd.engine.ranks import EngineArgs
 
-    topo = Topology(parse_devices(args.attention_devices), parse_devices(args.ffn_devices), transport=args.transport)
+    if attention_ranks is None:
+        topo = Topology(parse_devices(args.attention_devices), parse_devices(args.ffn_devices), transport=args.transport)
+    else:
+        topo = Topology(parse_devices(",".join(["cpu"] * attention_ranks)), parse_devices(",".join(["cpu"] * args.ffn_ranks)),
+                        transport=args.transport)
     engine = EngineArgs(dtype="auto", kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len))
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     return Cluster(model_dir, topo, engine, pipeline=pipeline or PipelineConfig()), params
@@ -70,7 +84,9 @@ def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict
     times, busy, inflight, chosen, edges = [], [], [], {}, []
     cluster, params = _cluster(model_dir, args, pipeline)
     with cluster:
+        t0 = time.perf_counter()
         cluster.generate(prompts, params, pipeline)  # warm-up
+        warmup = time.perf_counter() - t0
         for _ in range(args.runs):
             cluster.request(0, ("trace", True), "trace")
             t0 = time.perf_counter()
@@ -89,18 +105,67 @@ def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict
                     chosen[m] = chosen.get(m, 0) + 1
         ffn_rank = next(r for r in cluster.ranks if r.spec.role.name == "FFN")
     stats = ffn_rank.final_stats or {}
-    total = sum(times) + times[0]  # the FFN counters include the warm-up
+    total = sum(times) + warmup  # the FFN counters include the warm-up (timed, not guessed: a slow first run)
     return {
         "step_s": statistics.median(times),
         "attention_busy": statistics.median(busy),
         "bubble": 1 - statistics.median(busy),
-        "ffn_busy": stats.get("busy_s", 0.0) / total,
+        "ffn_busy": stats.get("busy_cpu_s", 0.0) / total,  # CPU time of its computing thread
+        "ffn_busy_wall": stats.get("busy_s", 0.0) / total,
         "mean_in_flight": statistics.median(inflight),
         "mean_gemm_rows": stats.get("mean_gemm_rows", 0.0),
         "items_per_ffn_batch": stats.get("items_per_batch", 0.0),
         "fill_drain": statistics.median(edges),
         **({"steps_by_chosen_m": dict(sorted(chosen.items()))} if chosen else {}),
     }
+
+
+def _run_aggregation(model_dir: Path, args, prompts) -> dict[str, dict]:
+    """One launch per attention-rank count, async, the same total load (or the same per rank)."""
+    counts = [int(x) for x in args.attention_ranks.split(",")]
+    pipeline = PipelineConfig("async", args.num_microbatches, args.split)
+    out = {}
+    for a in counts:
+        work = prompts * a if args.per_rank_load else prompts
+        cluster, params = _cluster(model_dir, args, pipeline, attention_ranks=a)
+        with cluster:
+            t0 = time.perf_counter()
+            cluster.generate(work, params, pipeline)  # warm-up
+            warmup = time.perf_counter() - t0
+            times = []
+            for _ in range(args.runs):
+                t0 = time.perf_counter()
+                cluster.generate(work, params, pipeline)
+                times.append(time.perf_counter() - t0)
+        ffn = [r.final_stats or {} for r in cluster.ranks if r.spec.role.name == "FFN"]
+        generated = len(work) * args.new_tokens * (args.runs + 1)
+        out[f"A={a}"] = {
+            "step_s": statistics.median(times), "tokens_per_s": len(work) * args.new_tokens / statistics.median(times),
+            "mean_gemm_rows": statistics.mean(f["mean_gemm_rows"] for f in ffn),
+            "items_per_ffn_batch": statistics.mean(f["items_per_batch"] for f in ffn),
+            "ffn_cpu_s_per_token": sum(f["busy_cpu_s"] for f in ffn) / generated,
+            "ffn_wall_s_per_token": sum(f["busy_s"] for f in ffn) / generated,
+            "straggler_wait_s_per_batch": sum(f["straggler_wait_s"] for f in ffn) / max(1, sum(f["batches"] for f in ffn)),
+            "ffn_busy": sum(f["busy_cpu_s"] for f in ffn) / (len(ffn) * (sum(times) + warmup)),
+        }
+        print(f"A={a}: {out[f'A={a}']['tokens_per_s']:.1f} tok/s, {out[f'A={a}']['mean_gemm_rows']:.1f} rows per expert GEMM",
+              file=sys.stderr)
+    return out
+
+
+def _print_aggregation(results: dict[str, dict], args, label: str) -> None:
+    rows = [("attention ranks", "run s", "tok/s", "GEMM rows", "parts/batch", "FFN CPU ms/tok", "FFN wall ms/tok", "straggler ms/batch")]
+    for name, r in results.items():
+        rows.append((name, f"{r['step_s']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r['mean_gemm_rows']:.1f}", f"{r['items_per_ffn_batch']:.2f}",
+                     f"{1e3 * r['ffn_cpu_s_per_token']:.2f}", f"{1e3 * r['ffn_wall_s_per_token']:.2f}",
+                     f"{1e3 * r['straggler_wait_s_per_batch']:.2f}"))
+    print_table(rows)
+    first, last = next(iter(results.values())), list(results.values())[-1]
+    load = f"{args.num_seqs} seqs per attention rank" if args.per_rank_load else f"{args.num_seqs} seqs in all"
+    print(f"summary: {label}; {', '.join(results)} x {args.ffn_ranks} FFN over {args.transport}, async m={args.num_microbatches} "
+          f"{args.split}; {load} x {args.prompt_len} prompt + {args.new_tokens} new, median of {args.runs}: rows per expert GEMM "
+          f"{last['mean_gemm_rows'] / first['mean_gemm_rows']:.2f}x, FFN CPU per token "
+          f"{last['ffn_cpu_s_per_token'] / first['ffn_cpu_s_per_token']:.2f}x, {list(results)[-1]} vs {list(results)[0]}")
 
 
 def _run_interleaved(model_dir: Path, args, pipelines: dict[str, PipelineConfig], prompts) -> dict[str, dict]:
@@ -185,6 +250,13 @@ def run(args: argparse.Namespace) -> int:
         label = f"synthetic DeepSeek-V2-Lite-shaped, {args.synthetic_layers} layers, bf16"
     try:
         prompts = _workload(load_model_config(model_dir).vocab_size, args)
+        if args.attention_ranks:
+            results = _run_aggregation(model_dir, args, prompts)
+            _print_aggregation(results, args, label)
+            if args.json_out:
+                Path(args.json_out).write_text(json.dumps({"model": label, "results": results, "args": vars(args) | {"func": None}},
+                                                          indent=2, default=str))
+            return 0
         cost = _auto_costs(model_dir, args)
         m, split = args.num_microbatches, args.split
         pipelines = {

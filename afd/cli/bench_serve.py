@@ -26,6 +26,11 @@ from pathlib import Path
 
 from afd.cli.common import print_table, resolve_model
 
+AGGREGATION_FLAGS = "--transport shm --mode async --num-microbatches 2 --split token"
+#: what the FFN ranks report in /metrics, summed over them (mean GEMM rows and parts per batch: averaged)
+FFN_METRICS = {"gemm_rows": "afd_ffn_mean_gemm_rows", "parts_per_batch": "afd_ffn_items_per_batch", "ffn_cpu_s": "afd_ffn_cpu_seconds_total",
+               "ffn_batches": "afd_ffn_batches_total", "straggler_s": "afd_ffn_straggler_wait_seconds_total",
+               "tokens": "afd_generation_tokens_total"}
 DEFAULT_CONFIGS = ["monolithic=", "1A1F-async=--attention-ranks 1 --ffn-ranks 1 --transport shm --mode async --num-microbatches 2 --split token"]
 
 
@@ -38,6 +43,9 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", action="append", metavar="NAME=ARGS",
                    help="a server configuration: a name and `afd serve` flags, e.g. '1A2F=--attention-ranks 1 --ffn-ranks 2'; "
                         "repeatable (default: monolithic and 1A1F async over shm)")
+    p.add_argument("--attention-ranks", help="FFN aggregation: a comma list of attention-rank counts (e.g. 1,2,4); one "
+                                             "configuration each, async over shm against --ffn-ranks FFN ranks, instead of --config")
+    p.add_argument("--ffn-ranks", type=int, default=1, help="with --attention-ranks (default 1)")
     p.add_argument("--url", help="measure this running server (e.g. http://127.0.0.1:8000) instead of starting one")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (closed loop; default 8)")
@@ -116,6 +124,22 @@ async def _load(url: str, model: str, work, concurrency: int, rate: float | None
     }
 
 
+def ffn_metrics(url: str) -> dict:
+    """The FFN ranks' counters from the server's /metrics (empty for a monolithic server)."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    values: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if not line.startswith("#") and name in FFN_METRICS.values():
+            values.setdefault(name, []).append(float(line.rsplit(" ", 1)[1]))
+    if FFN_METRICS["gemm_rows"] not in values:
+        return {}
+    averaged = ("gemm_rows", "parts_per_batch")
+    return {k: (statistics.mean if k in averaged else sum)(values.get(m, [0.0])) for k, m in FFN_METRICS.items()}
+
+
 def _percentiles(name: str, xs: list[float]) -> dict:
     xs = sorted(xs)
     if not xs:
@@ -145,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
     from afd.serving.spawn import ServerProcess
 
     configs = []
+    if args.attention_ranks:
+        args.config = [f"{a}A{args.ffn_ranks}F=--attention-ranks {a} --ffn-ranks {args.ffn_ranks} {AGGREGATION_FLAGS}"
+                       for a in args.attention_ranks.split(",")]
     for c in args.config or DEFAULT_CONFIGS:
         name, sep, flags = c.partition("=")
         if not sep or not name:
@@ -164,11 +191,12 @@ def run(args: argparse.Namespace) -> int:
 
                     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
                 runs = [asyncio.run(_load(url, model, work, args.concurrency, args.request_rate, args.seed)) for _ in range(args.runs)]
+                ffn = ffn_metrics(url)
             finally:
                 if server is not None:
                     server.stop()
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            results[name] = {"flags": flags, "runs": runs, "median": med}
+            results[name] = {"flags": flags, "runs": runs, "median": med, **({"ffn": ffn} if ffn else {})}
             print(f"{name}: {med['output_tokens_per_s']:.1f} output tok/s (median of {args.runs})", file=sys.stderr)
         first = next(iter(results.values()))["median"]
         rows = [("config", "req/s", "out tok/s", "vs first", "TTFT p50", "p90", "p99 ms", "ITL p50", "p90", "p99 ms", "e2e p50 s")]
@@ -182,6 +210,15 @@ def run(args: argparse.Namespace) -> int:
               + (f"{args.request_rate} req/s (Poisson), " if args.request_rate else "") + f"concurrency {args.concurrency}; "
               f"medians of {args.runs} runs")
         print_table(rows)
+        ffn_rows = [("config", "GEMM rows", "parts/batch", "FFN CPU ms/token", "straggler ms/batch")]
+        for name, r in results.items():
+            if "ffn" in r:
+                f = r["ffn"]
+                ffn_rows.append((name, f"{f['gemm_rows']:.1f}", f"{f['parts_per_batch']:.2f}", f"{1e3 * f['ffn_cpu_s'] / max(1, f['tokens']):.2f}",
+                                 f"{1e3 * f['straggler_s'] / max(1, f['ffn_batches']):.2f}"))
+        if len(ffn_rows) > 1:
+            print("FFN ranks, over every run of the configuration (warm-up included), from /metrics:")
+            print_table(ffn_rows)
         if args.json_out:
             Path(args.json_out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}, indent=2))
     finally:

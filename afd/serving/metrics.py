@@ -85,9 +85,13 @@ class _EngineCollector:
         for i, s in stats:
             if "busy_s" in s:
                 busy.add_metric(["attention" if "connector_round_trips" in s else "monolithic", str(i)], s["busy_s"])
+        ffn_cpu = CounterMetricFamily("afd_ffn_cpu_seconds", "CPU time of each FFN rank's computing thread (busy_seconds is wall time)",
+                                      labels=["rank"])
         for name, s in ffn.items():
             busy.add_metric(["ffn", name.rsplit(" ", 1)[-1]], s["busy_s"])
+            ffn_cpu.add_metric([name.rsplit(" ", 1)[-1]], s["busy_cpu_s"])
         yield busy
+        yield ffn_cpu
         nbytes = CounterMetricFamily("afd_connector_bytes", "Bytes over the attention-FFN links", labels=["rank", "direction"])
         rtt = CounterMetricFamily("afd_connector_round_trip_seconds", "Dispatch to combine, summed (divide by _round_trips)", labels=["rank"])
         trips = CounterMetricFamily("afd_connector_round_trips", "Dispatch-combine round trips completed", labels=["rank"])
@@ -104,9 +108,20 @@ class _EngineCollector:
         yield trips
         yield wait
         rows = GaugeMetricFamily("afd_ffn_mean_gemm_rows", "Mean rows per expert GEMM on each FFN rank", labels=["rank"])
+        items = GaugeMetricFamily("afd_ffn_items_per_batch", "Mean non-empty parts (attention ranks) per computed union", labels=["rank"])
+        batches = CounterMetricFamily("afd_ffn_batches", "(step, layer, micro-batch) unions computed", labels=["rank"])
+        straggler = CounterMetricFamily("afd_ffn_straggler_wait_seconds",
+                                        "Summed over unions: first part received to last part received", labels=["rank"])
         for name, s in ffn.items():
-            rows.add_metric([name.rsplit(" ", 1)[-1]], s["mean_gemm_rows"])
+            rank = name.rsplit(" ", 1)[-1]
+            rows.add_metric([rank], s["mean_gemm_rows"])
+            items.add_metric([rank], s["items_per_batch"])
+            batches.add_metric([rank], s["batches"])
+            straggler.add_metric([rank], s["straggler_wait_s"])
         yield rows
+        yield items
+        yield batches
+        yield straggler
         experts = CounterMetricFamily("afd_expert_tokens", "Tokens computed by each routed expert", labels=["layer", "expert"])
         totals: dict[tuple[int, int], int] = {}
         for source in [s for _, s in stats] + list(ffn.values()):

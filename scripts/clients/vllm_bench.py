@@ -21,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from afd.cli.bench_serve import ffn_metrics  # noqa: E402
 from afd.cli.common import BUILTIN_MODEL  # noqa: E402
 from afd.serving.spawn import ServerProcess  # noqa: E402
 
@@ -34,7 +35,7 @@ SERVERS = {
 
 def bench(args, url: str, backend: str, endpoint: str, out: Path) -> dict:
     cmd = [args.vllm_python, args.vllm_cli, "bench", "serve", "--backend", backend, "--base-url", url, "--endpoint", endpoint,
-           "--model", BUILTIN_MODEL.name, "--tokenizer", str(BUILTIN_MODEL), "--dataset-name", "random",
+           "--model", Path(args.model).name, "--tokenizer", args.model, "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
            "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency), "--ignore-eos",
            "--save-result", "--result-dir", str(out), "--result-filename", "result.json", "--seed", "0"]
@@ -55,14 +56,24 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--attention-ranks", help="FFN aggregation instead: a comma list of attention-rank counts (e.g. 1,2,4), each "
+                                              "async over shm against one FFN rank, the completions backend only; FFN counters from /metrics")
+    ap.add_argument("--model", default=str(BUILTIN_MODEL), help="model directory (default: the built-in model)")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", help="write every result here")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="afd-vllm-bench-"))
     results, failed = {}, 0
-    for name, flags in SERVERS.items():
-        with ServerProcess(BUILTIN_MODEL, "--dtype", "float32", *flags, env={"AFD_NUM_THREADS": "1"}) as server:
-            for backend, endpoint in (("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions")):
+    servers = SERVERS
+    backends = (("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions"))
+    if args.attention_ranks:
+        servers = {f"{a}A1F-async": ["--attention-ranks", a, "--ffn-ranks", "1", *ASYNC] for a in args.attention_ranks.split(",")}
+        backends = backends[:1]
+    for name, flags in servers.items():
+        with ServerProcess(args.model, "--dtype", args.dtype, *flags, env={"AFD_NUM_THREADS": "1"}) as server:
+            for backend, endpoint in backends:
                 r = bench(args, server.url, backend, endpoint, tmp / name / backend)
+                r["ffn"] = ffn_metrics(server.url)
                 results[f"{name} {backend}"] = r
                 failed += r["failed"] if "failed" in r else args.num_prompts - r["completed"]
     print(f"\nvllm bench serve: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, concurrency {args.concurrency}")
@@ -70,6 +81,12 @@ def main() -> int:
     for name, r in results.items():
         print(f"{name:28} {r['completed']:5d} {r.get('failed', 0):6d} {r['output_throughput']:10.1f} {r['median_ttft_ms']:12.1f} "
               f"{r['median_tpot_ms']:12.1f}")
+    ffn = {name: r["ffn"] for name, r in results.items() if r["ffn"]}
+    if ffn:
+        print(f"\n{'server, backend':28} {'GEMM rows':>9} {'parts/batch':>11} {'FFN CPU s':>9} {'CPU ms/token':>12} {'straggler ms/batch':>18}")
+        for name, f in ffn.items():
+            print(f"{name:28} {f['gemm_rows']:9.1f} {f['parts_per_batch']:11.2f} {f['ffn_cpu_s']:9.2f} "
+                  f"{1e3 * f['ffn_cpu_s'] / max(1, f['tokens']):12.2f} {1e3 * f['straggler_s'] / max(1, f['ffn_batches']):18.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print("vllm bench serve: " + ("every request completed" if not failed else f"FAIL: {failed} requests failed"))

@@ -176,3 +176,18 @@ def test_bench_sampler_times_every_mix(tmp_path):
     assert "summary:" in res.stdout
     data = json.loads(out.read_text())
     assert set(data) == {f"300 {m}" for m in MIXES} and all(v > 0 for v in data.values())
+
+
+def test_bench_pipeline_counts_aggregation_across_attention_ranks(tmp_path):
+    """--attention-ranks: the same load over 1 and 2 attention ranks; the FFN batches of A=2 hold two parts
+    and keep their expert GEMM rows."""
+    from afd.cli.common import BUILTIN_MODEL
+
+    out = tmp_path / "agg.json"
+    res = afd("bench", "pipeline", str(BUILTIN_MODEL), "--attention-ranks", "1,2", "--runs", "1", "--num-seqs", "4", "--prompt-len", "8",
+              "--new-tokens", "3", "--json", str(out))
+    assert "summary:" in res.stdout and "rows per expert GEMM" in res.stdout
+    r = json.loads(out.read_text())["results"]
+    assert r["A=1"]["items_per_ffn_batch"] == 1.0 and r["A=2"]["items_per_ffn_batch"] > 1.5
+    assert r["A=2"]["mean_gemm_rows"] >= 0.9 * r["A=1"]["mean_gemm_rows"]
+    assert all(0 < v["ffn_busy"] <= 1.0 for v in r.values())  # a CPU-time share can never pass 100 %
