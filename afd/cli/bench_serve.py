@@ -29,7 +29,7 @@ from afd.cli.common import print_table, resolve_model
 AGGREGATION_FLAGS = "--transport shm --mode async --num-microbatches 2 --split token"
 #: what the FFN ranks report in /metrics, summed over them (mean GEMM rows and parts per batch: averaged)
 FFN_METRICS = {"gemm_rows": "afd_ffn_mean_gemm_rows", "parts_per_batch": "afd_ffn_items_per_batch", "ffn_cpu_s": "afd_ffn_cpu_seconds_total",
-               "ffn_batches": "afd_ffn_batches_total", "straggler_s": "afd_ffn_straggler_wait_seconds_total",
+               "ffn_batches": "afd_ffn_batches_total", "ffn_rows": "afd_ffn_rows_total", "straggler_s": "afd_ffn_straggler_wait_seconds_total",
                "tokens": "afd_generation_tokens_total"}
 DEFAULT_CONFIGS = ["monolithic=", "1A1F-async=--attention-ranks 1 --ffn-ranks 1 --transport shm --mode async --num-microbatches 2 --split token"]
 

@@ -110,6 +110,7 @@ class _EngineCollector:
         rows = GaugeMetricFamily("afd_ffn_mean_gemm_rows", "Mean rows per expert GEMM on each FFN rank", labels=["rank"])
         items = GaugeMetricFamily("afd_ffn_items_per_batch", "Mean non-empty parts (attention ranks) per computed union", labels=["rank"])
         batches = CounterMetricFamily("afd_ffn_batches", "(step, layer, micro-batch) unions computed", labels=["rank"])
+        ffn_rows = CounterMetricFamily("afd_ffn_rows", "Rows (tokens) the FFN rank computed, over all unions", labels=["rank"])
         straggler = CounterMetricFamily("afd_ffn_straggler_wait_seconds",
                                         "Summed over unions: first part received to last part received", labels=["rank"])
         for name, s in ffn.items():
@@ -117,10 +118,12 @@ class _EngineCollector:
             rows.add_metric([rank], s["mean_gemm_rows"])
             items.add_metric([rank], s["items_per_batch"])
             batches.add_metric([rank], s["batches"])
+            ffn_rows.add_metric([rank], s["tokens"])
             straggler.add_metric([rank], s["straggler_wait_s"])
         yield rows
         yield items
         yield batches
+        yield ffn_rows
         yield straggler
         experts = CounterMetricFamily("afd_expert_tokens", "Tokens computed by each routed expert", labels=["layer", "expert"])
         totals: dict[tuple[int, int], int] = {}

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +32,18 @@ SERVERS = {
     "1A1F-async": ["--attention-ranks", "1", "--ffn-ranks", "1", *ASYNC],
     "2A1F-async": ["--attention-ranks", "2", "--ffn-ranks", "1", *ASYNC],
 }
+
+
+def running_sampler(url: str, stop: threading.Event, out: list) -> None:
+    """Sequences in the engines' steps (afd_running_seqs, summed over replicas), every 0.2 s."""
+    import httpx
+
+    while not stop.wait(0.2):
+        try:
+            text = httpx.get(url + "/metrics", timeout=5).text
+        except httpx.HTTPError:
+            continue
+        out.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("afd_running_seqs{")))
 
 
 def bench(args, url: str, backend: str, endpoint: str, out: Path) -> dict:
@@ -72,21 +85,29 @@ def main() -> int:
     for name, flags in servers.items():
         with ServerProcess(args.model, "--dtype", args.dtype, *flags, env={"AFD_NUM_THREADS": "1"}) as server:
             for backend, endpoint in backends:
+                stop, running = threading.Event(), []
+                sampler = threading.Thread(target=running_sampler, args=(server.url, stop, running), daemon=True)
+                sampler.start()
                 r = bench(args, server.url, backend, endpoint, tmp / name / backend)
+                stop.set()
+                sampler.join(5)
                 r["ffn"] = ffn_metrics(server.url)
+                busy = [x for x in running if x > 0]
+                r["mean_running_seqs"] = sum(busy) / len(busy) if busy else 0.0
                 results[f"{name} {backend}"] = r
                 failed += r["failed"] if "failed" in r else args.num_prompts - r["completed"]
     print(f"\nvllm bench serve: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, concurrency {args.concurrency}")
-    print(f"{'server, backend':28} {'done':>5} {'failed':>6} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12}")
+    print(f"{'server, backend':28} {'done':>5} {'failed':>6} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'running seqs':>12}")
     for name, r in results.items():
         print(f"{name:28} {r['completed']:5d} {r.get('failed', 0):6d} {r['output_throughput']:10.1f} {r['median_ttft_ms']:12.1f} "
-              f"{r['median_tpot_ms']:12.1f}")
+              f"{r['median_tpot_ms']:12.1f} {r['mean_running_seqs']:12.1f}")
     ffn = {name: r["ffn"] for name, r in results.items() if r["ffn"]}
     if ffn:
-        print(f"\n{'server, backend':28} {'GEMM rows':>9} {'parts/batch':>11} {'FFN CPU s':>9} {'CPU ms/token':>12} {'straggler ms/batch':>18}")
+        print(f"\n{'server, backend':28} {'GEMM rows':>9} {'rows/batch':>10} {'parts/batch':>11} {'FFN CPU s':>9} {'CPU ms/token':>12} "
+              f"{'straggler ms/batch':>18}")
         for name, f in ffn.items():
-            print(f"{name:28} {f['gemm_rows']:9.1f} {f['parts_per_batch']:11.2f} {f['ffn_cpu_s']:9.2f} "
-                  f"{1e3 * f['ffn_cpu_s'] / max(1, f['tokens']):12.2f} {1e3 * f['straggler_s'] / max(1, f['ffn_batches']):18.2f}")
+            print(f"{name:28} {f['gemm_rows']:9.1f} {f['ffn_rows'] / max(1, f['ffn_batches']):10.1f} {f['parts_per_batch']:11.2f} "
+                  f"{f['ffn_cpu_s']:9.2f} {1e3 * f['ffn_cpu_s'] / max(1, f['tokens']):12.2f} {1e3 * f['straggler_s'] / max(1, f['ffn_batches']):18.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print("vllm bench serve: " + ("every request completed" if not failed else f"FAIL: {failed} requests failed"))
