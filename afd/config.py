@@ -248,6 +248,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     dtype: str = "float32"
     device: str = "cpu"
+    max_model_len: int | None = None  # None: the model's context (afd.engine.budget caps it to the KV cache)
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

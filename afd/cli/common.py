@@ -38,7 +38,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=parse_size, default="256M", help="KV cache budget, e.g. 256M, 2G (default 256M)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096, help="tokens per step (longer prompts are chunked)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="tokens per step, longer prompts are chunked (default: the most whose worst-case step fits --max-step-memory)")
+    p.add_argument("--max-step-memory", type=parse_size,
+                   help="bytes a step's temporaries may take beyond weights and KV cache, e.g. 1G (default: as much as the KV "
+                        "cache, between a 512- and an 8192-token step)")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's, capped to what the KV cache holds)")
     p.add_argument("--device", default="cpu",
                    help="monolithic runs: cpu (default), cuda:N or npu:N (disaggregated runs: --attention-devices / --ffn-devices)")
 
@@ -59,9 +64,20 @@ def monolithic_engine(args: argparse.Namespace, model_dir: Path):
     """The engine of a monolithic run, from the engine flags (``afd generate`` and ``afd serve``)."""
     from afd.engine.llm_engine import LLMEngine
 
-    return LLMEngine.from_pretrained(model_dir, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                     device=device_arg(args.device))
+    engine = LLMEngine.from_pretrained(model_dir, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                       device=device_arg(args.device), max_step_memory=args.max_step_memory,
+                                       max_model_len=args.max_model_len)
+    print(f"afd: {engine.limits.describe()}", file=sys.stderr, flush=True)
+    return engine
+
+
+def engine_args(args: argparse.Namespace):
+    """An attention rank's engine flags (the launcher resolves what is left unset)."""
+    from afd.engine.ranks import EngineArgs
+
+    return EngineArgs(args.dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
+                      args.max_step_memory, args.max_model_len)
 
 
 def setup_process(verbose: bool = False) -> None:

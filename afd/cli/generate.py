@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from afd.cli.common import add_engine_args, add_topology_args, monolithic_engine, pipeline_from_args, resolve_model, topology_from_args
+from afd.cli.common import engine_args as common_engine_args
 from afd.config import SamplingParams
 
 log = logging.getLogger("afd.generate")
@@ -67,12 +68,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         from afd import env
         from afd.engine.launcher import Cluster
-        from afd.engine.ranks import EngineArgs
 
-        engine_args = EngineArgs(args.dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_num_batched_tokens)
+        engine_args = common_engine_args(args)
         log.info("disaggregated: model %s, %s, %s", model_dir, topology, pipeline_from_args(args))
         cluster = Cluster(model_dir, topology, engine_args, io_log=env.io_log(), pipeline=pipeline_from_args(args), nnodes=args.nnodes,
                           node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
+        print(f"afd: {cluster.describe_limits()}", file=sys.stderr, flush=True)
         with cluster:
             if not cluster.attention_ranks():  # an FFN-only node of a multi-node run
                 cluster.wait_until_done()

@@ -8,6 +8,7 @@ import socket
 import sys
 
 from afd.cli.common import add_engine_args, add_topology_args, pipeline_from_args, resolve_model, topology_from_args
+from afd.cli.common import engine_args as common_engine_args
 
 log = logging.getLogger("afd.serve")
 
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
             metrics = Metrics()
             frontend = Frontend(replicas, metrics)
             metrics.bind(frontend)
-            state = ServerState(frontend, metrics, tokenizer, args.served_model_name or model_dir.name, config.max_position_embeddings)
+            state = ServerState(frontend, metrics, tokenizer, args.served_model_name or model_dir.name, replicas.max_model_len)
         except BaseException:
             replicas.close(timeout=10)
             raise
@@ -69,14 +70,15 @@ def _replicas(args: argparse.Namespace, model_dir, topology):
 def _cluster(args: argparse.Namespace, model_dir, topology):
     from afd import env
     from afd.engine.launcher import Cluster
-    from afd.engine.ranks import EngineArgs
 
-    engine_args = EngineArgs(args.dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_num_batched_tokens)
+    engine_args = common_engine_args(args)
     pipeline = pipeline_from_args(args)
     log.info("disaggregated: %s, %s, %s", model_dir, topology, pipeline)
     print(f"afd serve: starting {topology.num_attention_ranks} attention + {topology.num_ffn_ranks} FFN ranks ...", file=sys.stderr, flush=True)
-    return Cluster(model_dir, topology, engine_args, io_log=env.io_log(), pipeline=pipeline, nnodes=args.nnodes,
-                   node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
+    cluster = Cluster(model_dir, topology, engine_args, io_log=env.io_log(), pipeline=pipeline, nnodes=args.nnodes,
+                      node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
+    print(f"afd: {cluster.describe_limits()}", file=sys.stderr, flush=True)
+    return cluster
 
 
 def _serve_ffn_node(args: argparse.Namespace, model_dir, topology) -> int:

@@ -42,6 +42,18 @@ from afd.models.hf_config import load_model_config
 log = logging.getLogger(__name__)
 
 
+def _limits(model_dir: Path, config, engine: EngineArgs):
+    """Every attention rank's KV blocks, context and step budget, from the flags (afd/engine/budget.py)."""
+    import json
+
+    from afd.engine.budget import engine_limits
+    from afd.models.loader import resolve_dtype
+
+    dtype = resolve_dtype(engine.dtype, json.loads((model_dir / "config.json").read_text()))
+    return engine_limits(config, dtype, engine.kv_cache_memory, engine.block_size, engine.max_num_seqs, engine.max_model_len,
+                         engine.max_step_memory, engine.max_num_batched_tokens)
+
+
 class RankFailedError(RuntimeError):
     """A rank died or reported an error; the whole job was stopped."""
 
@@ -116,12 +128,14 @@ class Cluster:
         self.master_addr, self.master_port = master_addr, master_port
         self.model_dir = Path(model_dir)
         self.topology = topology
-        self.engine = engine
         self.ready_timeout = ready_timeout
         self.link_timeout = link_timeout
         self.io_log = io_log
         config = load_model_config(self.model_dir)
         self.placement = validate_topology(topology, config.moe.num_experts)  # before any process starts
+        self.limits = _limits(self.model_dir, config, engine)  # once, for every rank and the links
+        self.engine = engine = replace(engine, max_num_batched_tokens=self.limits.max_num_batched_tokens,
+                                       max_step_memory=self.limits.max_step_memory, max_model_len=self.limits.max_model_len)
         local = self.local_roles()  # devices are checked on the host that runs them
         check_present([*(topology.attention_devices if Role.ATTENTION in local else ()), *(topology.ffn_devices if Role.FFN in local else ())])
         self.model_config = config
@@ -133,6 +147,13 @@ class Cluster:
         self._set_run_id = False
         self._store = None  # torch transport: the TCPStore rendezvous
         self._steps_store = None  # the step agreement's TCPStore, when no rendezvous store can hold it
+
+    def describe_limits(self) -> str:
+        """Each attention rank's limits, and the workspace of an FFN rank's union (at most A x the token cap)."""
+        rows = self.topology.num_attention_ranks * self.limits.max_num_batched_tokens
+        return (f"each attention rank: {self.limits.describe()}; an FFN union holds at most {rows} rows "
+                f"({self.topology.num_attention_ranks} x {self.limits.max_num_batched_tokens}): "
+                f"{rows * self.limits.budget.ffn_per_token >> 20} MiB of FFN temporaries")
 
     # ------------------------------------------------------------------ start
     def _slot_bytes(self) -> int:

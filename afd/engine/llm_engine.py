@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from afd.config import CacheConfig, EngineConfig, SamplingParams
 from afd.engine.request import Request, RequestOutput, Status, TokenDelta
+from afd.engine.budget import engine_limits
 from afd.engine.runner import ModelRunner
 from afd.engine.sampling import PROMPT_LOGITS_BYTES, PenaltyState, PositionLogprobs, logprobs_of, make_generator, sample
 from afd.engine.scheduler import Scheduler
@@ -46,7 +47,7 @@ class LLMEngine:
         self.runner = runner or ModelRunner(model, config.cache, config.device)
         self.blocks = BlockManager(config.cache.num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.max_model_len = model.config.max_position_embeddings
+        self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -58,6 +59,7 @@ class LLMEngine:
         self.num_steps = 0
         self.busy_s = 0.0  # wall time inside steps
         self.peak_blocks = 0
+        self.limits = None  # the EngineLimits it was sized by, when built by from_pretrained
 
     @classmethod
     def from_pretrained(
@@ -67,21 +69,29 @@ class LLMEngine:
         kv_cache_memory: int = 256 << 20,
         block_size: int = 16,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 4096,
+        max_num_batched_tokens: int | None = None,
         device: str = "cpu",
+        max_step_memory: int | None = None,
+        max_model_len: int | None = None,
     ) -> "LLMEngine":
+        """The monolithic engine of a checkpoint. The token cap, step memory and context left None
+        are derived (afd/engine/budget.py); ``engine.limits`` says what they came to."""
         model, _ = load_model(model_dir, dtype=dtype, selection=WeightSelection.full(), device=device)
         model_dtype = model.model.embed_tokens.weight.dtype
-        cache = cache_config_for(model, kv_cache_memory, block_size, model_dtype)
+        limits = engine_limits(model.config, model_dtype, kv_cache_memory, block_size, max_num_seqs, max_model_len, max_step_memory,
+                               max_num_batched_tokens)
         config = EngineConfig(
-            cache=cache,
+            cache=CacheConfig(block_size=block_size, num_blocks=limits.num_blocks),
             max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
             dtype="bfloat16" if model_dtype == torch.bfloat16 else "float32",
             device=device,
+            max_model_len=limits.max_model_len,
         )
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()  # without one, prompts are token ids
-        return cls(model, Tokenizer(model_dir) if has_tokenizer else None, config)
+        engine = cls(model, Tokenizer(model_dir) if has_tokenizer else None, config)
+        engine.limits = limits
+        return engine
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, tag: int | None = None) -> int:

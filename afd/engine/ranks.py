@@ -40,11 +40,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineArgs:
+    """An attention rank's engine flags. None: derived (afd/engine/budget.py; the launcher resolves them
+    once, before any rank starts, so every rank and the links are sized alike)."""
+
     dtype: str = "auto"
     kv_cache_memory: int = 256 << 20
     block_size: int = 16
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int | None = None
+    max_step_memory: int | None = None
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,7 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
         plane = StepPlane(spec.index, range(t.num_attention_ranks), *spec.steps, timeout=max(600.0, spec.link_timeout))
     runner = DisaggregatedRunner(model, cache, endpoint, t, spec.pipeline, plane=plane)
     config = EngineConfig(cache=cache, max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-                          dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+                          dtype="bfloat16" if dtype == torch.bfloat16 else "float32", max_model_len=e.max_model_len)
     tokenizer = Tokenizer(spec.model_dir) if (Path(spec.model_dir) / "tokenizer.json").is_file() else None  # token ids only
     engine = LLMEngine(model, tokenizer, config, runner)
     conn.send(("ready", ready))

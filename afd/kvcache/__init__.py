@@ -2,10 +2,13 @@
 
 from afd.kvcache.block_manager import BlockManager, OutOfBlocksError
 from afd.kvcache.cache import PagedKVCache
-from afd.kvcache.metadata import AttentionMetadata, SeqChunk, build_attention_metadata, last_token_rows
+from afd.kvcache.metadata import PAGE_TOKENS, AttentionMetadata, DecodePages, PrefillChunk, SeqChunk, build_attention_metadata, last_token_rows
 
 __all__ = [
+    "PAGE_TOKENS",
     "AttentionMetadata",
+    "DecodePages",
+    "PrefillChunk",
     "BlockManager",
     "OutOfBlocksError",
     "PagedKVCache",

@@ -12,6 +12,9 @@ from typing import Sequence
 
 import torch
 
+#: tokens per decode page (rounded up to whole KV blocks); see afd/models/paged_attention.py
+PAGE_TOKENS = 128
+
 
 @dataclass(frozen=True, slots=True)
 class SeqChunk:
@@ -36,25 +39,52 @@ def last_token_rows(chunks: Sequence[SeqChunk]) -> list[int]:
 
 
 @dataclass(frozen=True, slots=True)
-class AttentionMetadata:
-    """Where a flat batch of T tokens from S sequences reads and writes KV.
+class DecodePages:
+    """The step's one-token chunks and their contexts, cut into pages of cache slots.
 
-    positions      [T] int64  absolute position of each token
-    slot_mapping   [T] int64  cache slot each token's KV is written to
-    token_seq      [T] int64  which sequence (0..S-1) each token belongs to
-    token_qpos     [T] int64  index of the token within its sequence's chunk
-    gather_slots   [S, L] int64  cache slot of context position j of sequence s (L = longest context)
-    mask           [S, 1, Q, L] bool  query i of s may attend key j (Q = longest chunk)
-    last_token     [S] int64  flat index of each sequence's last token in this batch
+    rows       [D] int64   flat row (in the step's batch) of each decode token
+    page_row   [P] int64   which decode token (0..D-1) each page serves
+    page_slots [P, N] int64  cache slot of each page position (0 past the context: masked)
+    page_valid [P, N] bool   the position is part of the context
+    """
+
+    rows: torch.Tensor
+    page_row: torch.Tensor
+    page_slots: torch.Tensor
+    page_valid: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows.shape[0]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """One sequence's chunk of more than one new token: rows ``[row, row + length)`` of the step's batch,
+    after ``start`` cached tokens; ``slots`` [start + length] are the cache slots of positions 0..end-1."""
+
+    row: int
+    start: int
+    length: int
+    slots: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Where a flat batch of T tokens from S sequences reads and writes KV, with nothing padded:
+
+    positions     [T] int64  absolute position of each token
+    slot_mapping  [T] int64  cache slot each token's KV is written to
+    last_token    [S] int64  flat index of each sequence's last token in this batch
+    decode        the one-token chunks, their contexts cut into pages (None: there are none)
+    prefills      the chunks of more than one token, each with its context's slots
     """
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor
-    token_seq: torch.Tensor
-    token_qpos: torch.Tensor
-    gather_slots: torch.Tensor
-    mask: torch.Tensor
     last_token: torch.Tensor
+    decode: DecodePages | None
+    prefills: tuple[PrefillChunk, ...]
 
     @property
     def num_tokens(self) -> int:
@@ -62,24 +92,11 @@ class AttentionMetadata:
 
     @property
     def num_seqs(self) -> int:
-        return self.gather_slots.shape[0]
-
-    @property
-    def max_query_len(self) -> int:
-        return self.mask.shape[2]
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, ...] -> [S, Q, ...], zeros where a sequence's chunk is shorter than Q."""
-        out = x.new_zeros(self.num_seqs, self.max_query_len, *x.shape[1:])
-        out[self.token_seq, self.token_qpos] = x
-        return out
-
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """[S, Q, ...] -> [T, ...]."""
-        return x[self.token_seq, self.token_qpos]
+        return self.last_token.shape[0]
 
 
-def build_attention_metadata(chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+def build_attention_metadata(chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu",
+                             page_tokens: int = PAGE_TOKENS) -> AttentionMetadata:
     if not chunks:
         raise ValueError("a batch needs at least one sequence chunk")
     for c in chunks:
@@ -87,42 +104,49 @@ def build_attention_metadata(chunks: Sequence[SeqChunk], block_size: int, device
             raise ValueError(f"bad chunk {c}: length must be >= 1 and start >= 0")
         if len(c.block_table) * block_size < c.end:
             raise ValueError(f"chunk {c} needs {c.end} slots but its block table holds {len(c.block_table) * block_size}")
-    num_seqs = len(chunks)
-    max_q = max(c.length for c in chunks)
-    max_len = max(c.end for c in chunks)
-
-    positions, token_seq, token_qpos = [], [], []
-    for s, c in enumerate(chunks):
+    positions, rows = [], []
+    for c in chunks:
+        rows.append(len(positions))
         positions.extend(range(c.start, c.end))
-        token_seq.extend([s] * c.length)
-        token_qpos.extend(range(c.length))
     positions_t = torch.tensor(positions, dtype=torch.long)
-    token_seq_t = torch.tensor(token_seq, dtype=torch.long)
-
-    max_blocks = -(-max_len // block_size)
-    tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
-    for s, c in enumerate(chunks):
-        n = min(len(c.block_table), max_blocks)
-        tables[s, :n] = torch.tensor(list(c.block_table[:n]), dtype=torch.long)
-    j = torch.arange(max_len)
-    gather = tables[:, j // block_size] * block_size + j % block_size  # [S, L]
-    slot_mapping = gather[token_seq_t, positions_t]
-
-    starts = torch.tensor([c.start for c in chunks])
+    slot_mapping = torch.cat([_slots(c, block_size, c.start, c.end) for c in chunks])
     lengths = torch.tensor([c.length for c in chunks])
-    qpos = torch.arange(max_q)
-    # causal: key j visible to query i iff j <= start + i; padded queries see key 0 only (no NaN rows)
-    visible = j[None, None, :] <= (starts[:, None, None] + qpos[None, :, None])
-    is_pad = qpos[None, :] >= lengths[:, None]  # [S, Q]
-    mask = torch.where(is_pad[:, :, None], j[None, None, :] == 0, visible)
-
-    ends = torch.cumsum(lengths, 0)
+    prefills = tuple(PrefillChunk(rows[s], c.start, c.length, _slots(c, block_size, 0, c.end).to(device))
+                     for s, c in enumerate(chunks) if c.length > 1)
+    decoding = [s for s, c in enumerate(chunks) if c.length == 1]
+    decode = _decode_pages([chunks[s] for s in decoding], [rows[s] for s in decoding], block_size, page_tokens, device) if decoding else None
     return AttentionMetadata(
         positions=positions_t.to(device),
         slot_mapping=slot_mapping.to(device),
-        token_seq=token_seq_t.to(device),
-        token_qpos=torch.tensor(token_qpos, dtype=torch.long, device=device),
-        gather_slots=gather.to(device),
-        mask=mask[:, None].to(device),
-        last_token=(ends - 1).to(device),
+        last_token=(torch.cumsum(lengths, 0) - 1).to(device),
+        decode=decode,
+        prefills=prefills,
     )
+
+
+def _slots(c: SeqChunk, block_size: int, begin: int, end: int) -> torch.Tensor:
+    """[end - begin] cache slots of positions begin..end-1 of one sequence."""
+    p = torch.arange(begin, end)
+    return torch.tensor(list(c.block_table[: -(-end // block_size)]), dtype=torch.long)[p // block_size] * block_size + p % block_size
+
+
+def _decode_pages(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: int, page_tokens: int, device) -> DecodePages:
+    """Each decode token's context (positions 0..start) in pages of whole blocks; only the last page of a
+    context is partial. Vectorized over pages: O(pages) Python, not O(context tokens)."""
+    per_page = block_size * max(1, -(-page_tokens // block_size))
+    page_row, page_start, ends = [], [], []
+    width = max(len(c.block_table) for c in chunks)
+    tables = torch.zeros(len(chunks), width, dtype=torch.long)
+    for d, c in enumerate(chunks):
+        tables[d, : len(c.block_table)] = torch.tensor(list(c.block_table), dtype=torch.long)
+        for a in range(0, c.end, per_page):
+            page_row.append(d)
+            page_start.append(a)
+        ends.append(c.end)
+    row_t = torch.tensor(page_row, dtype=torch.long)
+    pos = torch.tensor(page_start, dtype=torch.long)[:, None] + torch.arange(per_page)[None, :]  # [P, N]
+    valid = pos < torch.tensor(ends, dtype=torch.long)[row_t][:, None]
+    pos = pos.masked_fill(~valid, 0)
+    block = tables[row_t[:, None], (pos // block_size).clamp(max=width - 1)]
+    slots = (block * block_size + pos % block_size).masked_fill(~valid, 0)
+    return DecodePages(torch.tensor(rows, dtype=torch.long, device=device), row_t.to(device), slots.to(device), valid.to(device))

@@ -1,21 +1,24 @@
 """DeepSeek-V2 family (DeepSeek-V2-Lite layout): multi-head latent attention over a latent KV cache.
 
 The cache holds, per token, the normalised KV latent ``c_kv [kv_lora_rank]`` and
-the rotated shared key ``k_pe [qk_rope_head_dim]``. Attention runs in the
-absorbed form: ``W_UK`` is folded into the query and ``W_UV`` applied after the
-softmax, so keys and values are never decompressed per cached token.
+the rotated shared key ``k_pe [qk_rope_head_dim]``. Decode runs in the absorbed
+form: ``W_UK`` is folded into the query and ``W_UV`` applied after the softmax,
+so keys and values are never decompressed per cached token. A prefill chunk
+takes whichever form costs fewer multiply-adds (:meth:`MLAttention._absorbed_is_cheaper`):
+a long one decompresses its context's keys and values once and attends at head
+dimension dn + dr instead of R + dr, as vLLM and SGLang do.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from afd.config import ModelConfig
 from afd.kvcache import AttentionMetadata
 from afd.models.base import MoEModel
 from afd.models.layers import RMSNorm, RotaryEmbedding
+from afd.models.paged_attention import decode_attention, prefill_attention
 
 
 class MLAttention(nn.Module):
@@ -56,25 +59,40 @@ class MLAttention(nn.Module):
         q_pe = rope.apply(q_pe, cos, sin)  # [T, nh, dr]
         k_pe = rope.apply(k_pe[:, None, :], cos, sin)[:, 0]  # [T, dr]
 
-        (cache,) = kv  # [slots, R + dr]
+        (cache,) = kv  # [slots, R + dr]: the latent and the rotated shared key of every cached token
         cache[meta.slot_mapping] = torch.cat((latent, k_pe), dim=-1).to(cache.dtype)
-        ctx = cache[meta.gather_slots]  # [S, L, R + dr]
-
         w_kv_b = self.kv_b_proj.weight.view(nh, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         w_uk, w_uv = w_kv_b.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)  # [nh, dn, R], [nh, dv, R]
-        q_latent = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, nh, R]
-        query = meta.pad(torch.cat((q_latent, q_pe), dim=-1)).transpose(1, 2)  # [S, nh, Q, R + dr]
-        s, q_len = query.shape[0], query.shape[2]
-        # one latent key and value shared by every head (MQA in the latent space): fold the heads into
-        # the query axis, [S, 1, nh*Q, R + dr], so the keys are read once instead of expanded per head
-        query = query.reshape(s, 1, nh * q_len, -1)
-        key = ctx[:, None]  # [S, 1, L, R + dr]
-        value = ctx[:, None, :, : mla.kv_lora_rank]  # [S, 1, L, R]
-        mask = meta.mask.repeat(1, 1, nh, 1)  # row h*Q + q is query q of head h
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale)
-        out_latent = meta.unpad(out.reshape(s, nh, q_len, -1).transpose(1, 2))  # [T, nh, R]
-        out = torch.einsum("thr,hvr->thv", out_latent, w_uv).reshape(t, nh * mla.v_head_dim)
-        return self.o_proj(out)
+        out = x.new_empty(t, nh, mla.v_head_dim)  # [T, nh, dv]
+        if meta.decode is not None:  # absorbed: one latent key and value shared by every head
+            rows = meta.decode.rows
+            query = torch.cat((torch.einsum("thd,hdr->thr", q_nope[rows], w_uk), q_pe[rows]), dim=-1)  # [D, nh, R + dr]
+            out_latent = decode_attention(query, cache[:, None, :], None, meta.decode, self.scale, mla.kv_lora_rank)  # [D, nh, R]
+            out[rows] = torch.einsum("thr,hvr->thv", out_latent, w_uv).to(out.dtype)
+        for chunk in meta.prefills:
+            rows = slice(chunk.row, chunk.row + chunk.length)
+            ctx = cache[chunk.slots]  # [L, R + dr]
+            if self._absorbed_is_cheaper(chunk.length, ctx.shape[0]):
+                query = torch.cat((torch.einsum("thd,hdr->thr", q_nope[rows], w_uk), q_pe[rows]), dim=-1)  # [q, nh, R + dr]
+                out_latent = prefill_attention(query, ctx[:, None, :], ctx[:, None, : mla.kv_lora_rank], chunk.start, self.scale)
+                out[rows] = torch.einsum("thr,hvr->thv", out_latent, w_uv).to(out.dtype)
+            else:  # decompress the context's keys and values once, attend per head at head dim dn + dr
+                k_nope, value = self.kv_b_proj(ctx[:, : mla.kv_lora_rank]).view(-1, nh, mla.qk_nope_head_dim + mla.v_head_dim).split(
+                    [mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)  # [L, nh, dn], [L, nh, dv]
+                key = torch.cat((k_nope, ctx[:, None, mla.kv_lora_rank :].expand(-1, nh, -1)), dim=-1)  # [L, nh, dn + dr]
+                query = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)  # [q, nh, dn + dr]
+                out[rows] = prefill_attention(query, key, value, chunk.start, self.scale).to(out.dtype)
+        return self.o_proj(out.reshape(t, nh * mla.v_head_dim))
+
+    def _absorbed_is_cheaper(self, q: int, length: int) -> bool:
+        """Multiply-adds of one chunk: absorbed, every (query, key) pair costs R + dr (scores) and R
+        (values) per head, plus folding W_UK/W_UV into q rows; not absorbed, the context is decompressed
+        once (R x (dn + dv) per token and head) and a pair costs dn + dr and dv. Long prefills decompress."""
+        mla, nh = self.mla, self.num_heads
+        r, dr, dn, dv = mla.kv_lora_rank, mla.qk_rope_head_dim, mla.qk_nope_head_dim, mla.v_head_dim
+        absorbed = q * length * nh * (2 * r + dr) + q * nh * r * (dn + dv)
+        decompressed = length * nh * r * (dn + dv) + q * length * nh * (dn + dr + dv)
+        return absorbed <= decompressed
 
 
 class DeepseekV2Model(MoEModel):

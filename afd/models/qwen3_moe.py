@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from afd.config import ModelConfig
 from afd.kvcache import AttentionMetadata
 from afd.models.base import MoEModel
 from afd.models.layers import RMSNorm, RotaryEmbedding
+from afd.models.paged_attention import decode_attention, prefill_attention
 
 
 class GQAttention(nn.Module):
@@ -42,11 +42,14 @@ class GQAttention(nn.Module):
         k_cache, v_cache = kv  # [slots, nkv, d] each
         k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
         v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
-        keys = k_cache[meta.gather_slots].transpose(1, 2)  # [S, nkv, L, d]
-        values = v_cache[meta.gather_slots].transpose(1, 2)
-        query = meta.pad(q).transpose(1, 2)  # [S, nh, Q, d]
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.mask, scale=self.scale, enable_gqa=True)
-        return self.o_proj(meta.unpad(out.transpose(1, 2)).reshape(t, self.num_heads * d))
+        out = q.new_empty(t, self.num_heads, d)
+        if meta.decode is not None:
+            rows = meta.decode.rows
+            out[rows] = decode_attention(q[rows], k_cache, v_cache, meta.decode, self.scale)
+        for chunk in meta.prefills:
+            rows = slice(chunk.row, chunk.row + chunk.length)
+            out[rows] = prefill_attention(q[rows], k_cache[chunk.slots], v_cache[chunk.slots], chunk.start, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * d))
 
 
 class Qwen3MoeModel(MoEModel):

@@ -49,6 +49,7 @@ class LocalReplicas:
 
         self.engine = engine
         self.num = 1
+        self.max_model_len = engine.max_model_len
         self._conn, back = mp.Pipe()
         self._lock = threading.Lock()
         self._stopped = False
@@ -104,6 +105,7 @@ class ClusterReplicas:
         self.cluster = cluster
         self.pipeline = pipeline
         self.num = len(cluster.attention_ranks())
+        self.max_model_len = cluster.limits.max_model_len
         self._lock = threading.Lock()
         self._wave = -1  # the last wave of agreed steps started on every rank
 

@@ -1,0 +1,146 @@
+"""A step's memory, bounded and known before the step runs.
+
+A step of T batch tokens from at most S sequences takes at most
+
+    fixed + T x per_token + min(3 x WORKSPACE_BYTES, T x scores_per_token)
+
+bytes of temporaries (beyond the weights and the KV cache):
+
+* ``per_token``: the activations one batch token holds at the peak of a layer -- the hidden state,
+  residual and FFN input, the attention projections (MLA: the query, its absorbed form and the output
+  per head; GQA: q, k, v), and the FFN half's temporaries (the routed slots' rows, the largest expert's
+  or MLP's intermediate, the router scores);
+* ``fixed``: what does not grow with T: a prefill chunk's gathered context (at most ``max_model_len``
+  tokens of one layer's KV, decompressed too when that stays small), and the logits of S sequences
+  with the sampler's copies;
+* the attention workspace: per (token, key) at the longest context, fp32 scores per head and a decode
+  token's gathered keys and values, but never above three ``WORKSPACE_BYTES`` -- every attention op is
+  tiled to ``afd.models.paged_attention.WORKSPACE_BYTES``.
+
+Nothing in a step is padded to its longest query or context (afd/models/paged_attention.py), so no
+term grows with S x L. ``--max-step-memory`` caps that sum (default: as much as the KV cache, between a
+512- and an 8192-token step); the default token cap is the largest T that fits. On an FFN rank a union holds at most A x T rows (A contributors of at most T
+tokens each): its workspace is that many rows of the FFN half's per-token bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from afd.config import ModelConfig
+from afd.models.paged_attention import WORKSPACE_BYTES
+
+#: token caps are multiples of this, and never above the most a step may take
+TOKEN_STEP = 16
+MAX_TOKENS = 16384
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    per_token: int  # bytes of activations per batch token
+    fixed: int  # bytes that do not grow with the batch's tokens
+    ffn_per_token: int  # bytes per row of the FFN half alone (an FFN rank's union)
+    scores_per_token: int = 0  # attention scores per batch token at the longest context, until the tiles' cap
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_seqs: int) -> "StepBudget":
+        b = torch.empty((), dtype=dtype).element_size()
+        h, moe = config.hidden_size, config.moe
+        if config.mla is not None:
+            m = config.mla
+            attention = config.num_heads * (m.qk_head_dim + m.kv_lora_rank + m.qk_rope_head_dim + m.v_head_dim)
+            kv_per_token = m.kv_lora_rank + m.qk_rope_head_dim  # one layer's cache entry
+            decompressed = config.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
+        else:
+            attention = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim * 2
+            kv_per_token = 2 * config.num_kv_heads * config.head_dim
+            decompressed = 0
+        dense = config.intermediate_size if len(moe.layers) < config.num_layers else 0
+        widest = max(moe.intermediate_size, moe.shared_intermediate_size, dense)
+        ffn = moe.top_k * h + 2 * h + 3 * widest  # routed slots' rows, one expert's input and output, its intermediate
+        per_token = b * (4 * h + attention + ffn) + 4 * (moe.num_experts + moe.top_k)
+        context = max_model_len * b * (kv_per_token + min(decompressed, WORKSPACE_BYTES // (b * max_model_len)))
+        logits = 4 * max_num_seqs * config.vocab_size * 4  # fp32 logits, processed copy, probabilities, logprobs
+        # per (token, key) at the longest context: fp32 scores, probabilities and a mask per head, and a
+        # decode token's gathered key (with an einsum's copy) and value
+        scores = max_model_len * (12 * config.num_heads + 3 * b * kv_per_token)
+        return cls(per_token, context + logits, b * (2 * h + ffn) + 4 * (moe.num_experts + moe.top_k), scores)
+
+    def bytes_for(self, num_tokens: int) -> int:
+        """The most a step of ``num_tokens`` batch tokens takes: activations, the gathered context and
+        logits, and the attention workspace until the tiles' cap (an op's tile, its inputs and output)."""
+        return self.fixed + num_tokens * self.per_token + min(3 * WORKSPACE_BYTES, num_tokens * self.scores_per_token)
+
+    def tokens_for(self, num_bytes: int) -> int:
+        """The most batch tokens (a multiple of TOKEN_STEP, at most MAX_TOKENS) whose step fits ``num_bytes``."""
+        lo, hi = 0, MAX_TOKENS // TOKEN_STEP  # bytes_for grows with the tokens: bisect
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.bytes_for(mid * TOKEN_STEP) <= num_bytes else (lo, mid - 1)
+        return lo * TOKEN_STEP
+
+    def default_step_memory(self, kv_cache_memory: int) -> int:
+        """As much as the KV cache, kept between a 512-token and an 8192-token step."""
+        return int(min(self.bytes_for(8192), max(self.bytes_for(512), kv_cache_memory)))
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """One token's KV cache entries over every layer (MLA: the latent and the shared key; GQA: k and v)."""
+    per_layer = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim if config.mla is not None else 2 * config.num_kv_heads * config.head_dim
+    return per_layer * config.num_layers * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What one engine (a monolithic engine, or an attention rank) may hold, resolved once at start."""
+
+    num_blocks: int  # KV cache blocks
+    max_model_len: int  # capped to what the KV cache holds, when it holds less than the model's context
+    max_num_batched_tokens: int
+    max_step_memory: int
+    budget: StepBudget
+    model_max_len: int  # the model's own context (for the log line when capped)
+
+    def describe(self) -> str:
+        capped = f" (capped from the model's {self.model_max_len}: the KV cache holds no more)" if self.max_model_len < self.model_max_len else ""
+        return (f"max_model_len {self.max_model_len}{capped}; step memory {self.max_step_memory >> 20} MiB -> "
+                f"max_num_batched_tokens {self.max_num_batched_tokens} ({self.budget.per_token / 1024:.1f} KiB per token, "
+                f"{self.budget.fixed >> 20} MiB fixed); KV cache {self.num_blocks} blocks")
+
+
+def engine_limits(config: ModelConfig, dtype: torch.dtype, kv_cache_memory: int, block_size: int, max_num_seqs: int,
+                  max_model_len: int | None = None, max_step_memory: int | None = None,
+                  max_num_batched_tokens: int | None = None) -> EngineLimits:
+    """The KV blocks, context and step budget of an engine from its flags. A context longer than the KV
+    cache holds is capped to it (and said, by :meth:`EngineLimits.describe`); a missing step memory or
+    token cap derives from the other, the step memory by default from the KV size."""
+    per_block = kv_bytes_per_token(config, dtype) * block_size
+    num_blocks = kv_cache_memory // per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv cache memory {kv_cache_memory} B holds no block of {per_block} B; raise --kv-cache-memory")
+    if max_model_len is not None and max_model_len > config.max_position_embeddings:
+        raise ValueError(f"--max-model-len {max_model_len} is beyond the model's context of {config.max_position_embeddings} tokens")
+    length = min(max_model_len or config.max_position_embeddings, num_blocks * block_size)
+    budget, memory, tokens = resolve(config, dtype, length, max_num_seqs, kv_cache_memory, max_step_memory, max_num_batched_tokens)
+    return EngineLimits(int(num_blocks), length, tokens, memory, budget, config.max_position_embeddings)
+
+
+def resolve(config: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_seqs: int, kv_cache_memory: int,
+            max_step_memory: int | None, max_num_batched_tokens: int | None) -> tuple[StepBudget, int, int]:
+    """(budget, step memory, token cap) from the flags: a missing one derives from the other (the step
+    memory from the KV size). A token cap whose worst-case step exceeds the step memory is refused."""
+    budget = StepBudget.for_model(config, dtype, max_model_len, max_num_seqs)
+    memory = max_step_memory if max_step_memory is not None else (
+        budget.bytes_for(max_num_batched_tokens) if max_num_batched_tokens is not None else budget.default_step_memory(kv_cache_memory))
+    fits = budget.tokens_for(memory)
+    if fits < 1:
+        raise ValueError(f"--max-step-memory {memory >> 20} MiB holds no step: a step takes {budget.fixed >> 20} MiB before its "
+                         f"tokens and {budget.per_token / 1024:.1f} KiB per token; raise it to at least "
+                         f"{budget.bytes_for(TOKEN_STEP) >> 20} MiB")
+    tokens = max_num_batched_tokens if max_num_batched_tokens is not None else fits
+    if budget.bytes_for(tokens) > memory:
+        raise ValueError(f"--max-num-batched-tokens {tokens} needs up to {budget.bytes_for(tokens) >> 20} MiB per step, above "
+                         f"--max-step-memory {memory >> 20} MiB: lower it to {fits} or raise the step memory")
+    return budget, memory, tokens

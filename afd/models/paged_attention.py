@@ -1,0 +1,85 @@
+"""Attention over the paged KV cache whose memory and time follow the real work: nothing is padded to
+the longest query or the longest context of a step, and no full q x L score matrix is built.
+
+* **Decode rows** (chunks of one new token) go in one batched pass, flash-decoding style: each
+  context is cut into pages of whole KV blocks (about ``afd.kvcache.PAGE_TOKENS`` slots; only a sequence's last
+  page is partial), one batched matmul scores every page against its token's query, each page keeps
+  its own softmax maximum and sum, and the pages of a token are merged exactly (log-sum-exp). Pages
+  are taken ``WORKSPACE_BYTES`` at a time, so a step's decode workspace is bounded whatever the number
+  of sequences or their contexts.
+* **Prefill chunks** (q > 1 new tokens) attend per sequence: its context gathered once, its queries in
+  tiles of rows so that a tile's scores ``[heads, rows, L]`` stay within ``WORKSPACE_BYTES``; causal
+  with the chunk's offset (query i of a chunk starting at position s sees keys 0..s+i).
+
+Heads may be grouped: queries ``[*, Hq, D]`` against keys ``[*, Hk, D]`` with Hq a multiple of Hk
+(Qwen3's GQA; MLA's absorbed form is Hk = 1, one latent key shared by every head). Matmuls run in the
+input dtype, softmax statistics in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from afd.kvcache import DecodePages
+
+#: the most bytes one attention op's temporaries take (scores of a prefill tile; a group of decode pages)
+WORKSPACE_BYTES = 32 << 20
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, pages: DecodePages,
+                     scale: float, value_dim: int | None = None) -> torch.Tensor:
+    """q [D, Hq, Dk] (one query per decode token); k_cache [slots, Hk, Dk]; v_cache [slots, Hk, Dv], or
+    None when the values are the first ``value_dim`` channels of the keys (MLA's latent). -> [D, Hq, Dv]."""
+    num, hq, dk = q.shape
+    hk = k_cache.shape[1]
+    g = hq // hk
+    dv = value_dim if v_cache is None else v_cache.shape[-1]
+    n = pages.page_slots.shape[1]
+    # gathered keys (and an einsum's copy of them), values, fp32 scores, probabilities and partial outputs
+    per_page = n * (hk * (2 * dk + dv) * q.element_size() + hq * 4 * 3) + hq * (dv + 2) * 4
+    step = max(1, WORKSPACE_BYTES // per_page)
+    m_all, l_all, o_all = [], [], []
+    for a in range(0, pages.page_row.shape[0], step):
+        rows, slots, valid = pages.page_row[a : a + step], pages.page_slots[a : a + step], pages.page_valid[a : a + step]
+        keys = k_cache[slots]  # [p, N, Hk, Dk]
+        values = keys[..., :dv] if v_cache is None else v_cache[slots]  # [p, N, Hk, Dv]
+        query = q[rows].view(-1, hk, g, dk)  # [p, Hk, G, Dk]
+        scores = torch.einsum("pkgd,pnkd->pkgn", query, keys).float() * scale  # [p, Hk, G, N]
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        m = scores.amax(-1)  # [p, Hk, G]; a page holds at least one context position
+        e = torch.exp(scores - m[..., None])
+        l_all.append(e.sum(-1))
+        o_all.append(torch.einsum("pkgn,pnkv->pkgv", e.to(values.dtype), values).float())  # [p, Hk, G, Dv]
+        m_all.append(m)
+    m, l, o = torch.cat(m_all), torch.cat(l_all), torch.cat(o_all)
+    # merge the pages of each token: weights exp(m_page - max_m) (exact softmax over the whole context)
+    index = pages.page_row[:, None, None].expand_as(m)
+    top = torch.full((num, hk, g), float("-inf"), device=q.device).scatter_reduce_(0, index, m, "amax")
+    w = torch.exp(m - top[pages.page_row])  # [P, Hk, G]
+    den = torch.zeros(num, hk, g, device=q.device).index_add_(0, pages.page_row, l * w)
+    out = torch.zeros(num, hk, g, dv, device=q.device).index_add_(0, pages.page_row, o * w[..., None])
+    return (out / den[..., None]).view(num, hq, dv).to(q.dtype)
+
+
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """One sequence's chunk: q [q, Hq, Dk] at positions start..start+q-1; keys [L, Hk, Dk] and values
+    [L, Hk, Dv] of positions 0..L-1 (L = start + q). -> [q, Hq, Dv]."""
+    length, hq = q.shape[0], q.shape[1]
+    total, hk = keys.shape[0], keys.shape[1]
+    rows = max(1, WORKSPACE_BYTES // (hq * total * 4 * 2))  # a tile's fp32 scores and probabilities
+    key = keys.transpose(0, 1)  # [Hk, L, Dk]
+    value = values.transpose(0, 1)  # [Hk, L, Dv]
+    j = torch.arange(total, device=q.device)
+    outs = []
+    for a in range(0, length, rows):
+        b = min(length, a + rows)
+        visible = j[None, :] <= start + torch.arange(a, b, device=q.device)[:, None]  # [r, L] causal with the offset
+        query = q[a:b].transpose(0, 1)  # [Hq, r, Dk]
+        if hk == 1:  # one key for every head: fold the heads into the query rows, read the keys once
+            out = F.scaled_dot_product_attention(query.reshape(1, hq * (b - a), -1), key, value,
+                                                 attn_mask=visible.repeat(hq, 1), scale=scale).view(hq, b - a, -1)
+        else:
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale, enable_gqa=hk != hq)
+        outs.append(out.transpose(0, 1))  # [r, Hq, Dv]
+    return torch.cat(outs) if len(outs) > 1 else outs[0]

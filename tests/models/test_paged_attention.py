@@ -1,0 +1,128 @@
+"""Attention over the paged cache without padding, against a direct reference (each sequence's softmax in
+float64): decode pages merged by log-sum-exp, prefill query tiles with the chunk's causal offset, grouped
+and shared heads; MLA's absorbed and decompressed prefill agree; a mixed step equals one-by-one runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from afd.config import CacheConfig
+from afd.engine.runner import ModelRunner
+from afd.kvcache import BlockManager, SeqChunk, build_attention_metadata
+from afd.models import load_model
+from afd.models import paged_attention as pa
+from afd.testing.parity import compare_values
+
+BS = 4
+
+
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """q [q, Hq, D] at positions start.., keys/values [L, Hk, *] -> [q, Hq, Dv], in float64."""
+    g = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(g, dim=1)
+    v = values.double().repeat_interleave(g, dim=1)
+    scores = torch.einsum("qhd,lhd->hql", q.double(), k) * scale
+    visible = torch.arange(keys.shape[0])[None, :] <= start + torch.arange(q.shape[0])[:, None]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hql,lhv->qhv", probs, v)
+
+
+def cache_and_tables(contexts: list[int], hk: int, dk: int, dv: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    blocks = BlockManager(512, BS)
+    tables = [blocks.ensure(i, n) for i, n in enumerate(contexts)]
+    slots = 512 * BS
+    return torch.randn(slots, hk, dk, generator=gen), torch.randn(slots, hk, dv, generator=gen), tables
+
+
+@pytest.mark.parametrize("hq, hk", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("workspace", [pa.WORKSPACE_BYTES, 4096])  # 4 KiB: many page groups
+def test_decode_pages_equal_the_reference(monkeypatch, hq, hk, workspace):
+    monkeypatch.setattr(pa, "WORKSPACE_BYTES", workspace)
+    contexts = [1, 5, 37, 130, 300]
+    k_cache, v_cache, tables = cache_and_tables(contexts, hk, 16, 8)
+    chunks = [SeqChunk(t, n - 1, 1) for t, n in zip(tables, contexts)]
+    meta = build_attention_metadata(chunks, BS, page_tokens=8)
+    q = torch.randn(len(contexts), hq, 16)
+    got = pa.decode_attention(q, k_cache, v_cache, meta.decode, 0.3)
+    for i, (c, n) in enumerate(zip(chunks, contexts)):
+        s = build_attention_metadata([SeqChunk(c.block_table, 0, n)], BS).prefills[0].slots if n > 1 else torch.tensor([c.block_table[0] * BS])
+        want = reference(q[i : i + 1], k_cache[s], v_cache[s], n - 1, 0.3)
+        torch.testing.assert_close(got[i : i + 1].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_values_may_be_the_keys_leading_channels():
+    """MLA: one latent [R + dr] per token is both the key and (its first R channels) the value."""
+    contexts = [3, 50]
+    k_cache, _, tables = cache_and_tables(contexts, 1, 12, 1)
+    meta = build_attention_metadata([SeqChunk(t, n - 1, 1) for t, n in zip(tables, contexts)], BS, page_tokens=8)
+    q = torch.randn(2, 5, 12)
+    got = pa.decode_attention(q, k_cache, None, meta.decode, 0.5, value_dim=8)
+    want = pa.decode_attention(q, k_cache, k_cache[..., :8].contiguous(), meta.decode, 0.5)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("hq, hk", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("start", [0, 9])
+def test_prefill_tiles_equal_the_reference(monkeypatch, hq, hk, start):
+    monkeypatch.setattr(pa, "WORKSPACE_BYTES", 2048)  # a few rows per tile: many tiles
+    length = 23
+    gen = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(start + length, hk, 16, generator=gen), torch.randn(start + length, hk, 8, generator=gen)
+    q = torch.randn(length, hq, 16, generator=gen)
+    got = pa.prefill_attention(q, keys, values, start, 0.25)
+    torch.testing.assert_close(got.double(), reference(q, keys, values, start, 0.25), atol=1e-5, rtol=1e-5)
+    wrong = pa.prefill_attention(q, keys, values, start + 1, 0.25)  # canary: an offset one off is caught
+    assert not torch.allclose(wrong.double(), reference(q, keys, values, start, 0.25), atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def deepseek(checkpoints):
+    return load_model(checkpoints["ds-qlora-grouped-yarn"][0], dtype="float32")[0]
+
+
+@pytest.fixture(scope="module")
+def qwen(checkpoints):
+    return load_model(checkpoints["qwen3-norm-topk"][0], dtype="float32")[0]
+
+
+def test_mla_absorbed_and_decompressed_prefill_agree(deepseek, monkeypatch):
+    from afd.models.deepseek_v2 import MLAttention
+
+    ids = torch.arange(3, 40)
+    outs = []
+    for absorbed in (True, False):
+        monkeypatch.setattr(MLAttention, "_absorbed_is_cheaper", lambda self, q, n, a=absorbed: a)
+        runner = ModelRunner(deepseek, CacheConfig(block_size=BS, num_blocks=64))
+        blocks = BlockManager(64, BS)
+        first = runner.execute(ids[:20].tolist(), [SeqChunk(blocks.ensure(0, 20), 0, 20)])
+        second = runner.execute(ids[20:].tolist(), [SeqChunk(blocks.ensure(0, 37), 20, 17)])  # a chunk after cached tokens
+        outs.append((first, second))
+    for a, b in zip(*outs):
+        assert compare_values("absorbed vs decompressed", a, b).ok
+
+
+@pytest.mark.parametrize("which", ["deepseek", "qwen"])
+def test_a_mixed_step_equals_one_by_one_runs(request, which):
+    """A long-context decode, a short decode, a whole prompt and a chunk of a longer prompt in one step
+    give each sequence the logits it gets alone."""
+    model = request.getfixturevalue(which)
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (180, 9, 31, 60)]
+    new = [1, 1, 31, 17]  # tokens this step: decode, decode, whole prompt, chunk 43..59 of a 60-token prompt
+    done = [n - k for n, k in zip(map(len, seqs), new)]
+
+    def run(which_seqs):
+        runner = ModelRunner(model, CacheConfig(block_size=BS, num_blocks=256))
+        blocks = BlockManager(256, BS)
+        for i in which_seqs:  # what is cached before the step, computed alone
+            if done[i]:
+                runner.execute(seqs[i][: done[i]], [SeqChunk(blocks.ensure(i, done[i]), 0, done[i])])
+        chunks = [SeqChunk(blocks.ensure(i, len(seqs[i])), done[i], new[i]) for i in which_seqs]
+        return runner.execute([t for i in which_seqs for t in seqs[i][done[i]:]], chunks)
+
+    mixed = run(range(4))
+    for i in range(4):
+        report = compare_values(f"sequence {i}", run([i])[0], mixed[i])
+        assert report.ok, str(report)
