@@ -70,7 +70,7 @@ def test_flags_resolve_and_a_token_cap_beyond_the_step_memory_is_refused():
     assert limits.budget.bytes_for(limits.max_num_batched_tokens) <= limits.max_step_memory
     assert limits.budget.bytes_for(limits.max_num_batched_tokens + 16) > limits.max_step_memory  # the largest that fits
     with pytest.raises(ValueError, match="--max-num-batched-tokens 16384 needs up to"):
-        engine_limits(config, torch.bfloat16, 256 << 20, 16, 64, max_step_memory=64 << 20, max_num_batched_tokens=16384)
+        engine_limits(config, torch.bfloat16, 256 << 20, 16, 64, max_step_memory=400 << 20, max_num_batched_tokens=16384)
     with pytest.raises(ValueError, match="holds no step"):
         engine_limits(config, torch.bfloat16, 256 << 20, 16, 64, max_step_memory=1 << 20)
 
