@@ -8,6 +8,7 @@ on a checkpoint or on the built-in synthetic DeepSeek-V2-Lite-shaped model.
 ``afd bench costs``: fits the micro-batch planner's cost model (:mod:`afd.cli.bench_costs`).
 ``afd bench serve``: a load generator against ``afd serve`` (:mod:`afd.cli.bench_serve`).
 ``afd bench sampler``: one step's sampling per option mix (:mod:`afd.cli.bench_sampler`).
+``afd bench mixed``: long prompts beside decoding sequences: TTFT, decode tok/s, peak RSS (:mod:`afd.cli.bench_mixed`).
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--device", default="cpu", help="cpu (default), cuda:N or npu:N")
     g.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
     g.set_defaults(func=run_generate)
-    from afd.cli import bench_connector, bench_costs, bench_pipeline, bench_sampler, bench_serve
+    from afd.cli import bench_connector, bench_costs, bench_mixed, bench_pipeline, bench_sampler, bench_serve
 
     bench_connector.add_parser(bsub)
     bench_pipeline.add_parser(bsub)
     bench_costs.add_parser(bsub)
     bench_serve.add_parser(bsub)
     bench_sampler.add_parser(bsub)
+    bench_mixed.add_parser(bsub)
 
 
 def _load(args: argparse.Namespace):

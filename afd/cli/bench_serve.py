@@ -151,14 +151,17 @@ def _percentiles(name: str, xs: list[float]) -> dict:
 # ----------------------------------------------------------------------------- servers
 
 
-def _synthetic(layers: int, root: Path) -> Path:
+def synthetic_checkpoint(layers: int, root: Path, **overrides) -> Path:
+    """A random DeepSeek-V2-Lite-shaped checkpoint of ``layers`` layers (``overrides``: config.json fields)
+    with the built-in tokenizer, under ``root``: what a served synthetic model is, for benches and tests."""
     from afd.cli.common import BUILTIN_MODEL
     from afd.engine.tokenizer import Tokenizer
     from afd.models.synthetic import deepseek_v2_lite_shaped, write_random_checkpoint
 
-    vocab = Tokenizer(BUILTIN_MODEL).vocab_size
+    raw = deepseek_v2_lite_shaped(num_layers=layers, vocab_size=Tokenizer(BUILTIN_MODEL).vocab_size)
+    raw.update(overrides)
     out = root / f"deepseek-v2-lite-shaped-{layers}l"
-    write_random_checkpoint(deepseek_v2_lite_shaped(num_layers=layers, vocab_size=vocab), out)
+    write_random_checkpoint(raw, out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(BUILTIN_MODEL / name, out / name)
     return out
@@ -179,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         configs.append((name, shlex.split(flags)))
     tmp = Path(tempfile.mkdtemp(prefix="afd-bench-serve-"))
     try:
-        model_dir = _synthetic(args.synthetic_layers, tmp) if args.synthetic_layers else resolve_model(args.model)
+        model_dir = synthetic_checkpoint(args.synthetic_layers, tmp) if args.synthetic_layers else resolve_model(args.model)
         work = workload(args, Tokenizer(model_dir).vocab_size)
         rows, results = [], {}
         for name, flags in ([("url", [])] if args.url else configs):

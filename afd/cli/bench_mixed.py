@@ -1,0 +1,172 @@
+"""``afd bench mixed``: long prompts beside decoding sequences, the load continuous batching is for.
+
+Against one ``afd serve`` (started here on a free port, or ``--url``/``--pid`` of a running one):
+
+* TTFT of each ``--prompts`` length, alone, and beside each ``--decodes`` count of streaming sequences
+  already decoding (the long prompt arrives while they decode);
+* decode tokens/s with each ``--decodes`` count of sequences running (tokens streamed over a window);
+* the server's peak RSS (with its children) in each, sampled every 50 ms.
+
+Without MODEL it serves a random DeepSeek-V2-Lite-shaped checkpoint (``--synthetic-layers``, the
+built-in tokenizer) written to a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from afd.cli.common import print_table
+
+
+def add_parser(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("mixed", help="TTFT of long prompts alone and beside decoding sequences, decode tok/s, peak RSS")
+    p.add_argument("model", nargs="?", help="model directory (default: a synthetic DeepSeek-V2-Lite-shaped checkpoint)")
+    p.add_argument("--synthetic-layers", type=int, default=4)
+    p.add_argument("--serve-flags", default="--dtype bfloat16 --kv-cache-memory 2G", help="flags of the afd serve started here")
+    p.add_argument("--url", help="measure this running server instead of starting one")
+    p.add_argument("--pid", type=int, help="with --url: the server's pid, for its RSS")
+    p.add_argument("--prompts", default="1024,4096", help="long prompt lengths (default 1024,4096)")
+    p.add_argument("--decodes", default="32,64", help="decoding sequence counts (default 32,64)")
+    p.add_argument("--window", type=float, default=10.0, help="seconds of decode measured (default 10)")
+    p.add_argument("--json", dest="json_out")
+    p.set_defaults(func=run)
+
+
+class _RSS:
+    """Peak RSS (MiB) of a process and its children, sampled every 50 ms while it runs."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid, self.peak, self._stop = pid, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, _tree_rss(self.pid))
+
+    def __enter__(self) -> "_RSS":
+        if self.pid:
+            self.peak = _tree_rss(self.pid)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+
+def _tree_rss(pid: int) -> float:
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += next(int(x.split()[1]) for x in open(f"/proc/{p}/status") if x.startswith("VmRSS:")) / 1024
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
+async def _stream(client, prompt: list[int], max_tokens: int, first: list, tokens: list | None = None) -> None:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]}")
+        async for line in r.aiter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                if not first:
+                    first.append(time.perf_counter() - t0)
+                if tokens is not None:
+                    tokens.append(time.perf_counter())
+
+
+def _prompt(n: int, vocab: int, salt: int) -> list[int]:
+    return [(17 * i + 101 * salt) % (vocab - 3) + 3 for i in range(n)]
+
+
+async def _ttft(url: str, vocab: int, length: int, beside: int) -> float:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+        firsts = [[] for _ in range(beside)]
+        decodes = [asyncio.create_task(_stream(client, _prompt(32, vocab, i), 100000, firsts[i])) for i in range(beside)]
+        while not all(firsts):
+            await asyncio.sleep(0.02)
+        first: list = []
+        await _stream(client, _prompt(length, vocab, 999), 1, first)
+        for t in decodes:
+            t.cancel()
+        await asyncio.gather(*decodes, return_exceptions=True)
+    return first[0]
+
+
+async def _decode_rate(url: str, vocab: int, running: int, window: float) -> float:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+        firsts, stamps = [[] for _ in range(running)], []
+        decodes = [asyncio.create_task(_stream(client, _prompt(32, vocab, i), 100000, firsts[i], stamps)) for i in range(running)]
+        while not all(firsts):
+            await asyncio.sleep(0.02)
+        t0 = time.perf_counter()
+        await asyncio.sleep(window)
+        n = sum(1 for s in stamps if s >= t0)
+        elapsed = time.perf_counter() - t0
+        for t in decodes:
+            t.cancel()
+        await asyncio.gather(*decodes, return_exceptions=True)
+    return n / elapsed
+
+
+def run(args: argparse.Namespace) -> int:
+    from afd.cli.bench_serve import synthetic_checkpoint
+    from afd.engine.tokenizer import Tokenizer
+    from afd.serving.spawn import ServerProcess
+
+    tmp = tempfile.TemporaryDirectory(prefix="afd-bench-mixed-")
+    server = None
+    try:
+        if args.url:
+            url, pid = args.url, args.pid
+            vocab = 2000
+        else:
+            model_dir = Path(args.model) if args.model else synthetic_checkpoint(args.synthetic_layers, Path(tmp.name))
+            vocab = Tokenizer(model_dir).vocab_size
+            server = ServerProcess(model_dir, *shlex.split(args.serve_flags), env={"AFD_NUM_THREADS": "1"})
+            url, pid = server.url, server.proc.pid
+        prompts = [int(x) for x in args.prompts.split(",")]
+        decodes = [int(x) for x in args.decodes.split(",")]
+        results: dict[str, dict] = {}
+        for beside in [0, *decodes]:
+            for length in prompts:
+                with _RSS(pid) as rss:
+                    ttft = asyncio.run(_ttft(url, vocab, length, beside))
+                name = f"TTFT {length}-token prompt" + (f" beside {beside} decoding" if beside else " alone")
+                results[name] = {"ttft_s": ttft, "peak_rss_mib": rss.peak}
+                print(f"{name}: {ttft:.2f} s, peak RSS {rss.peak:.0f} MiB", file=sys.stderr, flush=True)
+        for running in decodes:
+            with _RSS(pid) as rss:
+                rate = asyncio.run(_decode_rate(url, vocab, running, args.window))
+            results[f"decode, {running} running"] = {"tokens_per_s": rate, "peak_rss_mib": rss.peak}
+            print(f"decode, {running} running: {rate:.1f} tok/s, peak RSS {rss.peak:.0f} MiB", file=sys.stderr, flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+        tmp.cleanup()
+    rows = [("scenario", "TTFT s", "tok/s", "peak RSS MiB")]
+    for name, r in results.items():
+        rows.append((name, f"{r['ttft_s']:.2f}" if "ttft_s" in r else "", f"{r['tokens_per_s']:.1f}" if "tokens_per_s" in r else "",
+                     f"{r['peak_rss_mib']:.0f}"))
+    print_table(rows)
+    print("summary: " + ", ".join(f"{k} {v.get('ttft_s', v.get('tokens_per_s')):.2f}" for k, v in results.items()))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=1))
+    return 0
