@@ -231,6 +231,9 @@ def _capture(engine: LLMEngine, prompts: list[list[int]], together: bool = False
         runner.plane.join_wave(runner.plane.waves_done)
     values: dict = {}
     out = None
+    tokens = sum(len(p) for p in prompts)
+    if tokens > engine.config.max_num_batched_tokens:  # links and step memory are sized for the token cap
+        raise ValueError(f"a capture of {tokens} tokens exceeds max_num_batched_tokens {engine.config.max_num_batched_tokens}")
     if prompts:
         blocks = BlockManager(engine.config.cache.num_blocks, engine.config.cache.block_size)
         chunks = [SeqChunk(blocks.ensure(i, len(p)), 0, len(p)) for i, p in enumerate(prompts)]

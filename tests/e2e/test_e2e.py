@@ -50,7 +50,7 @@ def test_e2e_case(reference, case):
     args = build_parser().parse_args(case.argv())
     topology = topology_from_args(args, load_model_config(BUILTIN_MODEL).moe.num_experts)  # validate_topology inside
     pipeline = pipeline_from_args(args)
-    engine = EngineArgs(dtype="float32", kv_cache_memory=32 << 20, block_size=16)
+    engine = EngineArgs(dtype="float32", kv_cache_memory=32 << 20, block_size=16, max_num_batched_tokens=2048)  # the 1536-token capture
     with Cluster(BUILTIN_MODEL, topology, engine, pipeline=pipeline) as cluster:
         values, logits = cluster.request(0, ("capture", PARITY_PROMPTS), "capture")
         failures = support.split_parity_failures(model, ref_values, ref_logits, values, logits, check_topk=topology.gate == "attention")
