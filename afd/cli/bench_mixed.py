@@ -8,7 +8,9 @@ Against one ``afd serve`` (started here on a free port, or ``--url``/``--pid`` o
 * the server's peak RSS (with its children) in each, sampled every 50 ms.
 
 Without MODEL it serves a random DeepSeek-V2-Lite-shaped checkpoint (``--synthetic-layers``, the
-built-in tokenizer) written to a temporary directory.
+built-in tokenizer) written to a temporary directory. The server started here gets ``--max-num-seqs``
+one above the most decoding sequences (so the long prompt is admitted beside them); a server given by
+``--url`` needs as much.
 """
 
 from __future__ import annotations
@@ -140,33 +142,43 @@ def run(args: argparse.Namespace) -> int:
         else:
             model_dir = Path(args.model) if args.model else synthetic_checkpoint(args.synthetic_layers, Path(tmp.name))
             vocab = Tokenizer(model_dir).vocab_size
-            server = ServerProcess(model_dir, *shlex.split(args.serve_flags), env={"AFD_NUM_THREADS": "1"})
+            flags = shlex.split(args.serve_flags)
+            if "--max-num-seqs" not in flags:  # room for the decoding sequences and the long prompt beside them
+                flags += ["--max-num-seqs", str(max(int(x) for x in args.decodes.split(",")) + 1)]
+            server = ServerProcess(model_dir, *flags, env={"AFD_NUM_THREADS": "1"})
             url, pid = server.url, server.proc.pid
         prompts = [int(x) for x in args.prompts.split(",")]
         decodes = [int(x) for x in args.decodes.split(",")]
         results: dict[str, dict] = {}
-        for beside in [0, *decodes]:
-            for length in prompts:
-                with _RSS(pid) as rss:
-                    ttft = asyncio.run(_ttft(url, vocab, length, beside))
-                name = f"TTFT {length}-token prompt" + (f" beside {beside} decoding" if beside else " alone")
-                results[name] = {"ttft_s": ttft, "peak_rss_mib": rss.peak}
-                print(f"{name}: {ttft:.2f} s, peak RSS {rss.peak:.0f} MiB", file=sys.stderr, flush=True)
-        for running in decodes:
+        scenarios = [(f"TTFT {length}-token prompt" + (f" beside {beside} decoding" if beside else " alone"), "ttft_s",
+                      lambda length=length, beside=beside: _ttft(url, vocab, length, beside))
+                     for beside in [0, *decodes] for length in prompts]
+        scenarios += [(f"decode, {running} running", "tokens_per_s", lambda running=running: _decode_rate(url, vocab, running, args.window))
+                      for running in decodes]
+        for name, key, measure in scenarios:
             with _RSS(pid) as rss:
-                rate = asyncio.run(_decode_rate(url, vocab, running, args.window))
-            results[f"decode, {running} running"] = {"tokens_per_s": rate, "peak_rss_mib": rss.peak}
-            print(f"decode, {running} running: {rate:.1f} tok/s, peak RSS {rss.peak:.0f} MiB", file=sys.stderr, flush=True)
+                try:
+                    value = asyncio.run(measure())
+                except Exception as e:  # noqa: BLE001 - a server that dies (e.g. killed for memory) is the result
+                    alive = pid is None or Path(f"/proc/{pid}").exists()
+                    results[name] = {"error": f"{type(e).__name__}: {e}"[:200], "server_alive": alive, "peak_rss_mib": rss.peak}
+                    print(f"{name}: FAILED ({results[name]['error']}); server {'up' if alive else 'gone'}", file=sys.stderr, flush=True)
+                    if not alive:
+                        break
+                    continue
+            results[name] = {key: value, "peak_rss_mib": rss.peak}
+            print(f"{name}: {value:.2f}, peak RSS {rss.peak:.0f} MiB", file=sys.stderr, flush=True)
     finally:
         if server is not None:
             server.stop()
         tmp.cleanup()
     rows = [("scenario", "TTFT s", "tok/s", "peak RSS MiB")]
     for name, r in results.items():
-        rows.append((name, f"{r['ttft_s']:.2f}" if "ttft_s" in r else "", f"{r['tokens_per_s']:.1f}" if "tokens_per_s" in r else "",
-                     f"{r['peak_rss_mib']:.0f}"))
+        rows.append((name, f"{r['ttft_s']:.2f}" if "ttft_s" in r else ("FAILED" if "error" in r else ""),
+                     f"{r['tokens_per_s']:.1f}" if "tokens_per_s" in r else "", f"{r['peak_rss_mib']:.0f}"))
     print_table(rows)
-    print("summary: " + ", ".join(f"{k} {v.get('ttft_s', v.get('tokens_per_s')):.2f}" for k, v in results.items()))
+    print("summary: " + ", ".join(f"{k} " + (f"{v['ttft_s']:.2f} s" if "ttft_s" in v else f"{v['tokens_per_s']:.1f} tok/s" if "tokens_per_s" in v
+                                             else "FAILED") for k, v in results.items()))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1))
     return 0
