@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from afd.pipeline.planner import CostModel
 
 SUPPORTED_ACTIVATIONS = ("silu",)
-TOPK_METHODS = ("greedy", "group_limited_greedy")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+SCORING_FUNCS = ("softmax", "sigmoid")
 ROPE_TYPES = ("default", "yarn")
 
 
@@ -85,7 +86,16 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Routed experts, shared experts and the router of the MoE layers."""
+    """Routed experts, shared experts and the router of the MoE layers.
+
+    The router's variants (:class:`afd.models.base.Router`):
+    scoring            softmax (DeepSeek-V2, Qwen3) or sigmoid (DeepSeek-V3, GLM-4.5)
+    topk_method        greedy; group_limited_greedy (V2: a group scores its best expert);
+                       noaux_tc (V3: experts are *selected* on score + e_score_correction_bias,
+                       a group scores the sum of its top two; weights use the unbiased score)
+    scale_after_norm   V3/GLM: normalise the top-k weights (norm_topk_prob), then always scale by
+                       routed_scaling_factor; otherwise (V2/Qwen) normalise *or* scale
+    """
 
     num_experts: int
     top_k: int
@@ -97,7 +107,9 @@ class MoEConfig:
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = False
-    router_fp32: bool = False  # DeepSeek keeps the gate weight and logits in fp32
+    router_fp32: bool = False  # DeepSeek and GLM keep the gate weight and logits in fp32
+    scoring: str = "softmax"
+    scale_after_norm: bool = False
 
     def __post_init__(self) -> None:
         _positive("num_experts", self.num_experts)
@@ -106,11 +118,23 @@ class MoEConfig:
             raise ValueError(f"num_experts_per_tok must be in [1, {self.num_experts}], got {self.top_k}")
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"unsupported topk_method {self.topk_method!r}; supported: {', '.join(TOPK_METHODS)}")
-        if self.topk_method == "group_limited_greedy":
+        if self.scoring not in SCORING_FUNCS:
+            raise ValueError(f"unsupported scoring_func {self.scoring!r}; supported: {', '.join(SCORING_FUNCS)}")
+        if self.topk_method in ("group_limited_greedy", "noaux_tc"):
             if self.num_experts % self.num_groups:
                 raise ValueError(f"n_group={self.num_groups} must divide n_routed_experts={self.num_experts}")
             if not 1 <= self.topk_groups <= self.num_groups:
                 raise ValueError(f"topk_group must be in [1, n_group={self.num_groups}], got {self.topk_groups}")
+            if self.topk_groups * (self.num_experts // self.num_groups) < self.top_k:
+                raise ValueError(f"topk_group={self.topk_groups} groups of {self.num_experts // self.num_groups} experts "
+                                 f"hold fewer than num_experts_per_tok={self.top_k}")
+        if self.topk_method == "noaux_tc" and self.num_experts // self.num_groups < 2:
+            raise ValueError("noaux_tc scores a group by its top two experts: every group needs at least 2")
+
+    @property
+    def score_bias(self) -> bool:
+        """Whether the router holds ``e_score_correction_bias`` (selection only)."""
+        return self.topk_method == "noaux_tc"
 
     @property
     def shared_intermediate_size(self) -> int:
@@ -139,6 +163,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
+    qk_norm: bool = False  # GQA: per-head RMSNorm of q and k before RoPE (Qwen3, GLM with use_qk_norm)
+    num_mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint (skipped at load)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"):

@@ -68,4 +68,10 @@ def checkpoints(tmp_path_factory):
     for seed, (name, overrides) in enumerate(support.QWEN_CASES.items(), start=10):
         hf = support.build_hf_model(support.qwen3_config(**overrides), seed=seed)
         out[name] = (support.save_checkpoint(hf, root / name), hf)
+    for seed, (name, overrides) in enumerate(support.DEEPSEEK_V3_CASES.items(), start=20):
+        hf = support.build_hf_model(support.deepseek_v3_config(**overrides), seed=seed)
+        out[name] = (support.save_checkpoint(hf, root / name, with_mtp=name == "dsv3-grouped-yarn"), hf)
+    for seed, (name, overrides) in enumerate(support.GLM_CASES.items(), start=30):
+        hf = support.build_hf_model(support.glm4_moe_config(**overrides), seed=seed)
+        out[name] = (support.save_checkpoint(hf, root / name), hf)
     return out

@@ -46,6 +46,31 @@ DEEPSEEK_CASES = {
     "ds-noqlora-greedy": dict(q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.7, first_k_dense_replace=2),
 }
 
+DEEPSEEK_V3_CASES = {
+    # q_lora, sigmoid + e_score_correction_bias over 4 groups (keep 2), YaRN, norm_topk_prob then x2.5, 2 dense
+    # layers, an MTP layer in the checkpoint
+    "dsv3-grouped-yarn": dict(
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    ),
+    # no group limit, no normalisation (scaled only), halves RoPE layout (rope_interleave false)
+    "dsv3-flat-nonorm": dict(n_group=1, topk_group=1, routed_scaling_factor=1.7, norm_topk_prob=False, first_k_dense_replace=1,
+                             rope_interleave=False),
+}
+
+GLM_CASES = {
+    # partial rotary 0.5, q/k/v bias, q/k norm, 2 groups of 4 (keep 1)
+    "glm4-qknorm-bias": dict(use_qk_norm=True, attention_bias=True, n_group=2, topk_group=1, routed_scaling_factor=2.5),
+    # no q/k norm, no bias, partial rotary 0.25, one group
+    "glm4-plain": dict(use_qk_norm=False, attention_bias=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                                  "partial_rotary_factor": 0.25}),
+}
+
 QWEN_CASES = {
     "qwen3-norm-topk": dict(norm_topk_prob=True),
     "qwen3-no-norm-topk": dict(norm_topk_prob=False),
@@ -106,6 +131,62 @@ def qwen3_config(**overrides):
     return Qwen3MoeConfig(**base)
 
 
+def deepseek_v3_config(**overrides):
+    from transformers import DeepseekV3Config
+
+    base = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        initializer_range=0.15,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    base.update(overrides)
+    return DeepseekV3Config(**base)
+
+
+def glm4_moe_config(**overrides):
+    from transformers import Glm4MoeConfig
+
+    base = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        initializer_range=0.15,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    base.update(overrides)
+    return Glm4MoeConfig(**base)
+
+
 def build_hf_model(config, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
@@ -114,6 +195,10 @@ def build_hf_model(config, seed: int = 0):
     for name, p in model.named_parameters():
         if name.endswith("gate.weight"):
             assert p.std() > 0.05, f"{name} is not initialised decisively"
+    gen = torch.Generator().manual_seed(seed + 1000)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # transformers initialises it to zero: make it change selections
+            b.copy_((torch.rand(b.shape, generator=gen) - 0.5) * 0.6)
     return model
 
 
@@ -135,13 +220,27 @@ def write_tokenizer(model_dir: Path) -> None:
     )
 
 
-def save_checkpoint(model, model_dir: Path, max_shard_size: str | None = None, hub_style: bool = False) -> Path:
+def save_checkpoint(model, model_dir: Path, max_shard_size: str | None = None, hub_style: bool = False,
+                    with_mtp: bool = False) -> Path:
     """save_pretrained + tokenizer. ``hub_style`` rewrites config.json in the DeepSeek-V2-Lite hub schema
-    (top-level ``rope_theta`` and legacy ``rope_scaling: {"type": ...}``)."""
+    (top-level ``rope_theta`` and legacy ``rope_scaling: {"type": ...}``). ``with_mtp`` adds a
+    multi-token-prediction layer after the last decoder layer, laid out as DeepSeek-V3's release stores it
+    (``model.layers.{L}``: a decoder layer plus enorm, hnorm, eh_proj, shared_head), in its own shard."""
+    from safetensors.torch import save_file
+
     model_dir.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(model_dir, **kwargs)
     write_tokenizer(model_dir)
+    if with_mtp:
+        n, h = model.config.num_hidden_layers, model.config.hidden_size
+        last = f"model.layers.{n - 1}."
+        mtp = {f"model.layers.{n}." + k.removeprefix(last): v.clone().contiguous()
+               for k, v in model.state_dict().items() if k.startswith(last)}
+        mtp.update({f"model.layers.{n}.enorm.weight": torch.ones(h), f"model.layers.{n}.hnorm.weight": torch.ones(h),
+                    f"model.layers.{n}.eh_proj.weight": torch.randn(h, 2 * h),
+                    f"model.layers.{n}.shared_head.head.weight": torch.randn(model.config.vocab_size, h)})
+        save_file(mtp, model_dir / "model-mtp.safetensors", metadata={"format": "pt"})
     if hub_style:
         path = model_dir / "config.json"
         raw = json.loads(path.read_text())
@@ -175,8 +274,15 @@ def hf_reference(hf_model, ids: list[int]):
     return {i: v[0] for i, v in layer_out.items()}, router, out.logits[0].float()
 
 
-def selection_scores(router_logits: torch.Tensor, config) -> torch.Tensor:
-    """Reference scores the top-k is taken over (softmax, then the group mask for group-limited top-k)."""
+def selection_scores(router_logits: torch.Tensor, config, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference scores the top-k is taken over: softmax, then the group mask for group-limited top-k;
+    for V3/GLM (``bias`` given: the gate's e_score_correction_bias) sigmoid + bias, groups by their top two."""
+    if bias is not None:
+        scores = router_logits.float().sigmoid() + bias
+        groups = scores.view(scores.shape[0], config.n_group, -1)
+        keep = groups.topk(2, dim=-1).values.sum(-1).topk(config.topk_group, dim=-1).indices
+        mask = torch.zeros(scores.shape[0], config.n_group, dtype=torch.bool).scatter_(1, keep, True)
+        return scores.masked_fill(~mask.repeat_interleave(groups.shape[-1], dim=1), float("-inf"))
     scores = router_logits.float().softmax(-1)
     if getattr(config, "topk_method", None) == "group_limited_greedy":
         groups = scores.view(scores.shape[0], config.n_group, -1)

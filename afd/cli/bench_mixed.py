@@ -76,8 +76,15 @@ def _tree_rss(pid: int) -> float:
     return total
 
 
+async def _model(client) -> str:
+    """The served model's name (sent in every request, as servers that require the field expect)."""
+    r = await client.get("/v1/models")
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
 async def _stream(client, prompt: list[int], max_tokens: int, first: list, tokens: list | None = None) -> None:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {"model": client.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -94,19 +101,37 @@ def _prompt(n: int, vocab: int, salt: int) -> list[int]:
     return [(17 * i + 101 * salt) % (vocab - 3) + 3 for i in range(n)]
 
 
+class _Decodes:
+    """``n`` streams decoding until cancelled; entered once every stream has its first token. A stream
+    that fails (the server died) fails the scenario; every stream is cancelled and reaped on exit."""
+
+    def __init__(self, client, vocab: int, n: int, stamps: list | None = None) -> None:
+        self.firsts = [[] for _ in range(n)]
+        self.tasks = [asyncio.create_task(_stream(client, _prompt(32, vocab, i), 100000, self.firsts[i], stamps)) for i in range(n)]
+
+    async def __aenter__(self) -> "_Decodes":
+        while not all(self.firsts):
+            for t in self.tasks:
+                if t.done() and t.exception() is not None:
+                    await self.__aexit__()
+                    raise t.exception()
+            await asyncio.sleep(0.02)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
 async def _ttft(url: str, vocab: int, length: int, beside: int) -> float:
     import httpx
 
     async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
-        firsts = [[] for _ in range(beside)]
-        decodes = [asyncio.create_task(_stream(client, _prompt(32, vocab, i), 100000, firsts[i])) for i in range(beside)]
-        while not all(firsts):
-            await asyncio.sleep(0.02)
+        client.model = await _model(client)
         first: list = []
-        await _stream(client, _prompt(length, vocab, 999), 1, first)
-        for t in decodes:
-            t.cancel()
-        await asyncio.gather(*decodes, return_exceptions=True)
+        async with _Decodes(client, vocab, beside):
+            await _stream(client, _prompt(length, vocab, 999), 1, first)
     return first[0]
 
 
@@ -114,18 +139,24 @@ async def _decode_rate(url: str, vocab: int, running: int, window: float) -> flo
     import httpx
 
     async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
-        firsts, stamps = [[] for _ in range(running)], []
-        decodes = [asyncio.create_task(_stream(client, _prompt(32, vocab, i), 100000, firsts[i], stamps)) for i in range(running)]
-        while not all(firsts):
-            await asyncio.sleep(0.02)
-        t0 = time.perf_counter()
-        await asyncio.sleep(window)
-        n = sum(1 for s in stamps if s >= t0)
-        elapsed = time.perf_counter() - t0
-        for t in decodes:
-            t.cancel()
-        await asyncio.gather(*decodes, return_exceptions=True)
+        client.model = await _model(client)
+        stamps: list = []
+        async with _Decodes(client, vocab, running, stamps):
+            t0 = time.perf_counter()
+            await asyncio.sleep(window)
+            n = sum(1 for s in stamps if s >= t0)
+            elapsed = time.perf_counter() - t0
     return n / elapsed
+
+
+def _alive(pid: int | None) -> bool:
+    """The server process exists and is not a zombie (killed, not yet reaped)."""
+    if pid is None:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
                 try:
                     value = asyncio.run(measure())
                 except Exception as e:  # noqa: BLE001 - a server that dies (e.g. killed for memory) is the result
-                    alive = pid is None or Path(f"/proc/{pid}").exists()
+                    alive = _alive(pid)
                     results[name] = {"error": f"{type(e).__name__}: {e}"[:200], "server_alive": alive, "peak_rss_mib": rss.peak}
                     print(f"{name}: FAILED ({results[name]['error']}); server {'up' if alive else 'gone'}", file=sys.stderr, flush=True)
                     if not alive:

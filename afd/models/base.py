@@ -34,10 +34,14 @@ class MissingWeightsError(RuntimeError):
 
 
 class Router(nn.Module):
-    """Softmax gate with greedy or group-limited top-k.
+    """The MoE gate of every family: scoring, then selection, then weights (:class:`~afd.config.MoEConfig`).
 
-    DeepSeek semantics: with ``norm_topk_prob`` (and k > 1) the top-k weights are
-    normalised, otherwise multiplied by ``routed_scaling_factor``.
+    * scores: ``softmax`` (DeepSeek-V2, Qwen3) or ``sigmoid`` (DeepSeek-V3, GLM-4.5) of the logits, in fp32;
+    * selection: greedy top-k; ``group_limited_greedy`` (V2: keep the ``topk_group`` groups whose best
+      expert scores highest); ``noaux_tc`` (V3: on score + ``e_score_correction_bias``, keep the groups whose
+      top two sum highest). The bias only *chooses* experts: it never enters the weights;
+    * weights: the unbiased scores of the chosen experts. V2/Qwen normalise them (``norm_topk_prob``, k > 1)
+      *or* multiply by ``routed_scaling_factor``; V3/GLM (``scale_after_norm``) normalise *then* scale.
     """
 
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
@@ -45,24 +49,41 @@ class Router(nn.Module):
         self.moe = moe
         dtype = torch.float32 if moe.router_fp32 else None
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=dtype))
+        if moe.score_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> router logits [T, E] (fp32 for DeepSeek, model dtype for Qwen)."""
+        """x [T, H] -> router logits [T, E] (fp32 for DeepSeek and GLM, model dtype for Qwen)."""
         if self.moe.router_fp32:
             return F.linear(x.float(), self.weight.float())
         return F.linear(x, self.weight)
 
+    def selection_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores [T, E] -> what the top-k is taken over: biased, and -inf outside the kept groups."""
+        moe = self.moe
+        if moe.topk_method == "greedy":
+            return scores
+        choice = scores + self.e_score_correction_bias if moe.score_bias else scores
+        grouped = choice.view(-1, moe.num_groups, moe.num_experts // moe.num_groups)
+        if moe.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        else:
+            group_scores = grouped.max(dim=-1).values
+        top_groups = group_scores.topk(moe.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+        return choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+
     def forward(self, x: torch.Tensor) -> Routing:
         moe = self.moe
-        scores = self.logits(x).softmax(dim=-1, dtype=torch.float32)  # [T, E]
-        if moe.topk_method == "group_limited_greedy":
-            per_group = moe.num_experts // moe.num_groups
-            group_scores = scores.view(-1, moe.num_groups, per_group).max(dim=-1).values  # [T, G]
-            top_groups = group_scores.topk(moe.topk_groups, dim=-1).indices
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
-            scores = scores.masked_fill(~keep.repeat_interleave(per_group, dim=1), 0.0)
-        weights, ids = scores.topk(moe.top_k, dim=-1)  # [T, k], sorted by score
-        if moe.norm_topk_prob and moe.top_k > 1:
+        logits = self.logits(x)
+        scores = logits.softmax(dim=-1, dtype=torch.float32) if moe.scoring == "softmax" else logits.float().sigmoid()  # [T, E]
+        ids = self.selection_scores(scores).topk(moe.top_k, dim=-1).indices  # [T, k]
+        weights = scores.gather(1, ids)
+        if moe.scale_after_norm:
+            if moe.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights * moe.routed_scaling_factor
+        elif moe.norm_topk_prob and moe.top_k > 1:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         else:
             weights = weights * moe.routed_scaling_factor
@@ -189,14 +210,14 @@ class MoEModel(nn.Module):
         shared = self._moe(layer).shared_experts
         if shared is None:
             return None
-        self._check_loaded(shared.gate_proj.weight, "shared expert")
+        self._check_loaded(next(shared.parameters()), "shared expert")
         return shared(ffn_input)
 
     def dense_mlp(self, layer: int, ffn_input: torch.Tensor) -> torch.Tensor:
         mlp = self.model.layers[layer].mlp
         if isinstance(mlp, MoEBlock):
             raise ValueError(f"layer {layer} is an MoE layer, not a dense layer")
-        self._check_loaded(mlp.gate_proj.weight, "dense MLP")
+        self._check_loaded(next(mlp.parameters()), "dense MLP")
         return mlp(ffn_input)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

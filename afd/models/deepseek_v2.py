@@ -102,3 +102,8 @@ class DeepseekV2Model(MoEModel):
     def kv_layout(self) -> tuple[tuple[int, ...], ...]:
         mla = self.config.mla
         return ((mla.kv_lora_rank + mla.qk_rope_head_dim,),)
+
+
+class DeepseekV3Model(DeepseekV2Model):
+    """DeepSeek-V3 family (V3, R1, Kimi-K2): V2's MLA with q_lora; what differs lives in the config --
+    sigmoid routing with ``e_score_correction_bias`` (noaux_tc), ``rope_interleave``, MTP layers skipped."""

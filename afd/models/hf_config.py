@@ -1,9 +1,10 @@
 """Read a Hugging Face ``config.json`` into afd's :class:`~afd.config.ModelConfig`.
 
-Two schemas are seen in the wild and both are accepted: the hub files of
-DeepSeek-V2(-Lite) (``rope_theta`` at top level plus ``rope_scaling: {"type":
-"yarn", ...}``) and what transformers 5 writes (``rope_parameters: {"rope_type":
-..., "rope_theta": ...}``).
+Two schemas are seen in the wild and both are accepted: the hub files
+(``rope_theta`` at top level plus ``rope_scaling: {"type": "yarn", ...}``, a
+top-level ``partial_rotary_factor``) and what transformers 5 writes
+(``rope_parameters: {"rope_type": ..., "rope_theta": ...}``). Keys afd does not
+use (``auto_map``, ``aux_loss_alpha``, ``seq_aux``, ``ep_size`` ...) are ignored.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ class UnsupportedArchitectureError(ValueError):
 
 ARCHITECTURES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
@@ -45,8 +48,10 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {archs or model_type!r}; afd supports: {supported}"
         )
-    if model_type == "deepseek_v2":
-        return _parse_deepseek_v2(raw)
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        return _parse_deepseek(raw, v3=model_type == "deepseek_v3")
+    if model_type == "glm4_moe":
+        return _parse_glm4_moe(raw)
     return _parse_qwen3_moe(raw)
 
 
@@ -55,6 +60,21 @@ def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _mtp_layers(raw: dict[str, Any]) -> int:
+    """Multi-token-prediction layers the checkpoint carries after its decoder layers (afd skips them at load)."""
+    return int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers")) or 0)
+
+
+def _sigmoid_router(raw: dict[str, Any], family: str) -> dict[str, Any]:
+    """V3/GLM routing fields: sigmoid scores, noaux_tc selection, normalise then scale."""
+    scoring, method = raw.get("scoring_func", "sigmoid"), raw.get("topk_method", "noaux_tc")
+    if (scoring, method) != ("sigmoid", "noaux_tc"):
+        raise UnsupportedArchitectureError(f"{family} routing with scoring_func={scoring!r}, topk_method={method!r} is not "
+                                           "supported (only sigmoid + noaux_tc, as transformers implements it)")
+    return dict(scoring="sigmoid", topk_method="noaux_tc", scale_after_norm=True, router_fp32=True,
+                norm_topk_prob=bool(raw.get("norm_topk_prob", True)))
 
 
 def _rope(raw: dict[str, Any], dim: int, interleaved: bool) -> RopeConfig:
@@ -80,13 +100,13 @@ def _rope(raw: dict[str, Any], dim: int, interleaved: bool) -> RopeConfig:
     return RopeConfig(theta=float(theta), dim=dim, interleaved=interleaved, type=rope_type, **kwargs)
 
 
-def _parse_deepseek_v2(raw: dict[str, Any]) -> ModelConfig:
+def _parse_deepseek(raw: dict[str, Any], v3: bool) -> ModelConfig:
     num_layers = raw["num_hidden_layers"]
     first_dense = raw.get("first_k_dense_replace", 0)
     freq = raw.get("moe_layer_freq", 1)
     num_experts = raw.get("n_routed_experts") or raw.get("num_local_experts")
     if not num_experts:
-        raise UnsupportedArchitectureError("DeepSeek-V2 config without n_routed_experts is a dense model; afd serves MoE models")
+        raise UnsupportedArchitectureError("DeepSeek config without n_routed_experts is a dense model; afd serves MoE models")
     moe_layers = tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0)
     mla = MLAConfig(
         q_lora_rank=raw.get("q_lora_rank"),
@@ -95,22 +115,24 @@ def _parse_deepseek_v2(raw: dict[str, Any]) -> ModelConfig:
         qk_rope_head_dim=raw["qk_rope_head_dim"],
         v_head_dim=raw["v_head_dim"],
     )
-    topk_method = raw.get("topk_method") or "greedy"
+    if v3:
+        routing = _sigmoid_router(raw, "DeepSeek-V3")
+    else:
+        routing = dict(topk_method=raw.get("topk_method") or "greedy", norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                       router_fp32=True)
     moe = MoEConfig(
         num_experts=num_experts,
         top_k=raw["num_experts_per_tok"],
         intermediate_size=raw["moe_intermediate_size"],
         layers=moe_layers,
         num_shared_experts=raw.get("n_shared_experts") or 0,
-        topk_method=topk_method,
         num_groups=raw.get("n_group") or 1,
         topk_groups=raw.get("topk_group") or 1,
         routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-        router_fp32=True,
+        **routing,
     )
     return ModelConfig(
-        architecture="DeepseekV2ForCausalLM",
+        architecture="DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM",
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
         num_layers=num_layers,
@@ -120,9 +142,10 @@ def _parse_deepseek_v2(raw: dict[str, Any]) -> ModelConfig:
         intermediate_size=raw["intermediate_size"],
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        rope=_rope(raw, mla.qk_rope_head_dim, interleaved=True),
+        rope=_rope(raw, mla.qk_rope_head_dim, interleaved=bool(raw.get("rope_interleave", True)) if v3 else True),
         moe=moe,
         mla=mla,
+        num_mtp_layers=_mtp_layers(raw) if v3 else 0,
         attention_bias=bool(raw.get("attention_bias", False)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id"),
@@ -151,6 +174,7 @@ def _parse_qwen3_moe(raw: dict[str, Any]) -> ModelConfig:
         raise UnsupportedArchitectureError("Qwen3-MoE with use_sliding_window=true is not supported")
     return ModelConfig(
         architecture="Qwen3MoeForCausalLM",
+        qk_norm=True,
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
         num_layers=num_layers,
@@ -167,6 +191,49 @@ def _parse_qwen3_moe(raw: dict[str, Any]) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_ids(raw),
         hidden_act=raw.get("hidden_act", "silu"),
+    )
+
+
+def _parse_glm4_moe(raw: dict[str, Any]) -> ModelConfig:
+    num_layers = raw["num_hidden_layers"]
+    num_experts = raw.get("n_routed_experts") or 0
+    if not num_experts:
+        raise UnsupportedArchitectureError("GLM-4 MoE config without n_routed_experts is a dense model; afd serves MoE models")
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    params = raw.get("rope_parameters") or {}
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))
+    first_dense = raw.get("first_k_dense_replace", 1)
+    moe = MoEConfig(
+        num_experts=num_experts,
+        top_k=raw["num_experts_per_tok"],
+        intermediate_size=raw["moe_intermediate_size"],
+        layers=tuple(range(first_dense, num_layers)),
+        num_shared_experts=raw.get("n_shared_experts") or 0,
+        num_groups=raw.get("n_group") or 1,
+        topk_groups=raw.get("topk_group") or 1,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        **_sigmoid_router(raw, "GLM-4 MoE"),
+    )
+    return ModelConfig(
+        architecture="Glm4MoeForCausalLM",
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        num_layers=num_layers,
+        num_heads=raw["num_attention_heads"],
+        num_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        head_dim=head_dim,
+        intermediate_size=raw["intermediate_size"],
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        rope=_rope(raw, int(head_dim * partial), interleaved=False),
+        moe=moe,
+        attention_bias=bool(raw.get("attention_bias", False)),
+        qk_norm=bool(raw.get("use_qk_norm", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw),
+        hidden_act=raw.get("hidden_act", "silu"),
+        num_mtp_layers=_mtp_layers(raw),
     )
 
 

@@ -59,7 +59,11 @@ class RotaryEmbedding:
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, dim] -> rotated x, computed in fp32, returned in x's dtype."""
+        """x [T, heads, d] -> rotated x, computed in fp32, returned in x's dtype. With partial rotary
+        (GLM: rope dim < d) only the first rope-dim channels rotate; the rest pass through."""
+        rot = 2 * cos.shape[-1]
+        if x.shape[-1] > rot:
+            return torch.cat((self.apply(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
         x32 = x.float()
         c, s = cos[:, None, :], sin[:, None, :]
         if self.interleaved:  # pairs (x0, x1), (x2, x3), ... as complex numbers
@@ -123,6 +127,24 @@ class GroupedExperts(nn.Module):
         lookup[list(ids)] = torch.arange(len(ids), device="cpu")
         self._global_to_local = lookup  # constant [E] -> local index or -1
         self.tokens_routed = [0] * len(ids)  # (token, slot) rows each held expert has computed (a metric)
+        self.fp8_block: tuple[int, int] | None = None  # set by hold_fp8: weights are fp8, dequantised per expert GEMM
+        self.compute_dtype: torch.dtype | None = None
+
+    def hold_fp8(self, name: str, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> None:
+        """``name`` (gate_up_proj or down_proj) now holds fp8 weights with these block scales
+        (gate_up: ``[E, 2, ceil(I/br), ceil(H/bc)]``, gate and up blocked apart; down: ``[E, ceil(H/br), ceil(I/bc)]``)."""
+        self.register_parameter(f"{name}_scale_inv", nn.Parameter(scale_inv.float(), requires_grad=False))
+        self.fp8_block, self.compute_dtype = block, dtype
+
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local expert ``e``'s (gate_up [2I, H], down [H, I]) in the compute dtype."""
+        if self.fp8_block is None:
+            return self.gate_up_proj[e], self.down_proj[e]
+        from afd.models.quant import dequantize
+
+        i, block = self.intermediate_size, self.fp8_block
+        gate_up = dequantize(self.gate_up_proj[e].view(2, i, -1), self.gate_up_proj_scale_inv[e], block, self.compute_dtype)
+        return gate_up.view(2 * i, -1), dequantize(self.down_proj[e], self.down_proj_scale_inv[e], block, self.compute_dtype)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Partial MoE output over the experts held here.
@@ -149,7 +171,8 @@ class GroupedExperts(nn.Module):
                 rows = order[start : start + n]
                 start += n
                 xe = x[rows // k]  # [n, H]
-                gate, up = F.linear(xe, self.gate_up_proj[e]).chunk(2, dim=-1)
-                ye = F.linear(F.silu(gate) * up, self.down_proj[e])  # [n, H]
+                w_gate_up, w_down = self.expert_weights(e)
+                gate, up = F.linear(xe, w_gate_up).chunk(2, dim=-1)
+                ye = F.linear(F.silu(gate) * up, w_down)  # [n, H]
                 out[rows] = (ye * weights[rows, None]).to(out.dtype)
         return out.view(num_tokens, k, -1).sum(dim=1)

@@ -21,6 +21,8 @@ from afd.config import ModelConfig
 from afd.models.base import MoEModel
 from afd.models.checkpoint import CheckpointError, CheckpointReader
 from afd.models.hf_config import load_model_config, read_config_json
+from afd.models.layers import GroupedExperts
+from afd.models.quant import DEFAULT_FP8_MODE, FP8_MODES, SCALE_SUFFIX, Fp8Linear, dequantize, fp8_format
 from afd.models.registry import model_class
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,8 @@ class LoadReport:
     bytes_read: int
     shards_opened: tuple[str, ...]
     dtype: torch.dtype
+    fp8: str | None = None  # how fp8 block-scaled weights were loaded (dequantize | keep); None: none were
+    skipped_mtp: int = 0  # tensors of multi-token-prediction layers left unread
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +110,7 @@ def _category(param: str) -> str:
         return "experts"
     if ".mlp.shared_experts." in param:
         return "shared_experts"
-    if param.endswith(".mlp.gate.weight"):
+    if param.endswith((".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")):
         return "routers"
     if ".mlp." in param:
         return "dense_mlp"
@@ -139,8 +143,8 @@ def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def _target_dtype(model: MoEModel, name: str, dtype: torch.dtype) -> torch.dtype:
-    if name.endswith("mlp.gate.weight") and model.config.moe.router_fp32:
-        return torch.float32  # DeepSeek keeps the router in fp32
+    if name.endswith("mlp.gate.e_score_correction_bias") or (name.endswith("mlp.gate.weight") and model.config.moe.router_fp32):
+        return torch.float32  # DeepSeek and GLM keep the router in fp32
     return dtype
 
 
@@ -149,18 +153,32 @@ def build_meta_model(config: ModelConfig, expert_ids: Iterable[int] | None = Non
         return model_class(config.architecture)(config, expert_ids=None if expert_ids is None else list(expert_ids))
 
 
+def _mtp_tensors(names: Iterable[str], config: ModelConfig) -> set[str]:
+    """Tensors of the checkpoint's multi-token-prediction layers (``model.layers.{num_layers + i}.*``)."""
+    mtp = {f"model.layers.{config.num_layers + i}." for i in range(config.num_mtp_layers)}
+    return {n for n in names if n.startswith(tuple(mtp))} if mtp else set()
+
+
 def load_model(
     model_dir: str | Path,
     dtype: str | torch.dtype = "auto",
     selection: WeightSelection = WeightSelection(),
     device: str | torch.device = "cpu",
+    fp8: str = DEFAULT_FP8_MODE,
 ) -> tuple[MoEModel, LoadReport]:
-    """Load the tensors of ``selection`` from a local Hugging Face directory."""
+    """Load the tensors of ``selection`` from a local Hugging Face directory.
+
+    ``fp8``: how an fp8 block-scaled checkpoint's weights are held (:mod:`afd.models.quant`):
+    ``dequantize`` once here into ``dtype``, or ``keep`` fp8 and dequantise per GEMM.
+    """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    if fp8 not in FP8_MODES:
+        raise ValueError(f"fp8 weights mode must be one of {', '.join(FP8_MODES)}; got {fp8!r}")
     raw = read_config_json(model_dir)
     config = load_model_config(model_dir)
+    fmt = fp8_format(raw)
     target = resolve_dtype(dtype, raw)
     held = selection.held_experts(config.moe.num_experts)
     model = build_meta_model(config, held)
@@ -171,7 +189,13 @@ def load_model(
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
     available = reader.names()
-    unexpected = sorted(n for n in available - expected if not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight")
+    if fmt is not None:
+        expected |= {n for n in available if n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) in expected}
+    mtp = _mtp_tensors(available, config)
+    if mtp:
+        log.info("skipping %d multi-token-prediction layer(s) (num_nextn_predict_layers=%d): %d tensors not loaded",
+                 config.num_mtp_layers, config.num_mtp_layers, len(mtp))
+    unexpected = sorted(n for n in available - expected - mtp if not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight")
     if unexpected:
         raise CheckpointError(
             f"{len(unexpected)} unexpected tensors in {model_dir} for {config.architecture}: "
@@ -204,19 +228,37 @@ def load_model(
         if got != want:
             raise CheckpointError(f"tensor {c.source} has shape {list(got)}, the model expects {list(want)}")
 
+    quantized = {c.source for c in plan if fmt is not None and c.source + SCALE_SUFFIX in available}
+    keep = fp8 == "keep"
     materialised: dict[str, torch.Tensor] = {}
+    scales: dict[str, dict[tuple[int | None, int], torch.Tensor]] = {}  # keep: param -> (expert index, first row) -> scales
     for c in plan:
+        is_q = c.source in quantized
         if c.param not in materialised:
             param = params[c.param]
-            materialised[c.param] = torch.empty(param.shape, dtype=_target_dtype(model, c.param, target), device=device)
+            p_dtype = fmt.dtype if (is_q and keep) else _target_dtype(model, c.param, target)
+            materialised[c.param] = torch.empty(param.shape, dtype=p_dtype, device=device)
         dst = materialised[c.param]
+        if is_q and keep != (dst.dtype == fmt.dtype):
+            raise CheckpointError(f"{c.param} mixes fp8 and unquantised source tensors ({c.source})")
         if c.index is not None:
             dst = dst[c.index]
         if c.rows is not None:
             dst = dst[c.rows]
-        dst.copy_(reader.read(c.source))
+        value = reader.read(c.source)
+        if is_q:
+            scale = reader.read(c.source + SCALE_SUFFIX)
+            if keep:
+                scales.setdefault(c.param, {})[(c.index, c.rows.start if c.rows else 0)] = scale
+            else:
+                value = dequantize(value, scale, fmt.block, torch.float32)
+        elif value.dtype == torch.float8_e4m3fn:
+            raise CheckpointError(f"tensor {c.source} is fp8 but has no {c.source + SCALE_SUFFIX}")
+        dst.copy_(value)
     for name, value in materialised.items():
         _set_param(model, name, value)
+    if scales:
+        _keep_fp8(model, scales, fmt.block, target)
     reader.close()
     model.eval()
     report = LoadReport(
@@ -224,6 +266,31 @@ def load_model(
         bytes_read=reader.stats.bytes_read,
         shards_opened=tuple(sorted(reader.stats.shards_opened)),
         dtype=target,
+        fp8=fp8 if quantized else None,
+        skipped_mtp=len(mtp),
     )
-    log.info("loaded %d tensors (%.1f MB) from %s as %s", len(plan), report.bytes_read / 1e6, model_dir, target)
+    log.info("loaded %d tensors (%.1f MB) from %s as %s%s", len(plan), report.bytes_read / 1e6, model_dir, target,
+             f", {len(quantized)} fp8 weights ({fp8})" if quantized else "")
     return model, report
+
+
+def _keep_fp8(model: MoEModel, scales: dict[str, dict[tuple[int | None, int], torch.Tensor]], block: tuple[int, int],
+              dtype: torch.dtype) -> None:
+    """Turn the fp8 parameters just loaded into modules that dequantise per GEMM."""
+    inter = model.config.moe.intermediate_size
+    for name, parts in scales.items():
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, GroupedExperts):
+            local = range(len(module.expert_ids))
+            if attr == "gate_up_proj":
+                stacked = torch.stack([torch.stack((parts[(e, 0)], parts[(e, inter)])) for e in local])  # [E, 2, nI, nH]
+            else:
+                stacked = torch.stack([parts[(e, 0)] for e in local])  # [E, nH, nI]
+            module.hold_fp8(attr, stacked, block, dtype)
+        elif isinstance(module, nn.Linear):
+            parent_name, _, child = module_name.rpartition(".")
+            fp8 = Fp8Linear(module.weight, parts[(None, 0)], block, dtype, module.bias)
+            model.get_submodule(parent_name)._modules[child] = fp8
+        else:
+            raise CheckpointError(f"fp8 weight {name} belongs to a {type(module).__name__}, which cannot hold fp8")

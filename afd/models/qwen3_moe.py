@@ -1,4 +1,6 @@
-"""Qwen3-MoE: grouped-query attention with per-head q/k RMSNorm, softmax top-k routing."""
+"""Qwen3-MoE: grouped-query attention with per-head q/k RMSNorm, softmax top-k routing.
+
+:class:`GQAttention` also serves GLM-4.5 (:mod:`afd.models.glm4_moe`)."""
 
 from __future__ import annotations
 
@@ -13,16 +15,20 @@ from afd.models.paged_attention import decode_attention, prefill_attention
 
 
 class GQAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """``attention_bias`` biases q/k/v, and o_proj too unless ``o_bias`` is False (GLM)."""
+
+    def __init__(self, config: ModelConfig, o_bias: bool = True) -> None:
         super().__init__()
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps)
-        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias and o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
         self.scale = d**-0.5
 
     def forward(
@@ -35,8 +41,10 @@ class GQAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q = rope.apply(self.q_norm(self.q_proj(x).view(t, self.num_heads, d)), cos, sin)  # [T, nh, d]
-        k = rope.apply(self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d)), cos, sin)  # [T, nkv, d]
+        q, k = self.q_proj(x).view(t, self.num_heads, d), self.k_proj(x).view(t, self.num_kv_heads, d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)  # [T, nh, d], [T, nkv, d]
         v = self.v_proj(x).view(t, self.num_kv_heads, d)
 
         k_cache, v_cache = kv  # [slots, nkv, d] each
@@ -59,3 +67,4 @@ class Qwen3MoeModel(MoEModel):
     def kv_layout(self) -> tuple[tuple[int, ...], ...]:
         c = self.config
         return ((c.num_kv_heads, c.head_dim), (c.num_kv_heads, c.head_dim))
+

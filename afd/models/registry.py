@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from afd.models.base import MoEModel
-from afd.models.deepseek_v2 import DeepseekV2Model
+from afd.models.deepseek_v2 import DeepseekV2Model, DeepseekV3Model
+from afd.models.glm4_moe import Glm4MoeModel
 from afd.models.qwen3_moe import Qwen3MoeModel
 
 MODEL_CLASSES: dict[str, type[MoEModel]] = {
     "DeepseekV2ForCausalLM": DeepseekV2Model,
+    "DeepseekV3ForCausalLM": DeepseekV3Model,
+    "Glm4MoeForCausalLM": Glm4MoeModel,
     "Qwen3MoeForCausalLM": Qwen3MoeModel,
 }
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from afd.models.base import MoEModel
 from afd.models.hf_config import parse_hf_config
-from afd.models.loader import build_meta_model
+from afd.models.loader import _target_dtype, build_meta_model
 
 
 def deepseek_v2_lite_shaped(num_layers: int = 8, vocab_size: int = 32000) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def random_model(raw_config: dict[str, Any], dtype: torch.dtype, std: float = 0.
     model = build_meta_model(config)
     gen = torch.Generator().manual_seed(seed)
     for name, param in list(model.named_parameters()):
-        p_dtype = torch.float32 if (name.endswith("mlp.gate.weight") and config.moe.router_fp32) else dtype
+        p_dtype = _target_dtype(model, name, dtype)
         if name.endswith("norm.weight"):
             value = torch.ones(param.shape, dtype=p_dtype)
         else:
@@ -116,7 +116,7 @@ def write_random_checkpoint(
             shape = shape[1:]
         if c.rows is not None:
             shape = (c.rows.stop - c.rows.start, *shape[1:])
-        t_dtype = torch.float32 if (c.source.endswith("mlp.gate.weight") and config.moe.router_fp32) else dtype
+        t_dtype = _target_dtype(model, c.source, dtype)
         if c.source.endswith("norm.weight"):
             t = torch.ones(shape, dtype=t_dtype)
         else:

@@ -25,6 +25,7 @@ from tests import support
 TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (3, 2), (2, 3)]
 PROMPTS = [[0, 17, 44, 9, 120, 301, 5, 77, 8, 250, 3, 12, 99], [0, 200, 13, 7, 2], [0, 5, 6, 7, 8, 9, 10, 11, 12]]
 ENGINE = EngineArgs(dtype="float32", kv_cache_memory=16 << 20, block_size=4)
+NEW_FAMILIES = ("dsv3-grouped-yarn", "glm4-qknorm-bias")  # DeepSeek-V3 (sigmoid + bias routing, MTP skipped), GLM-4.5
 
 
 def topology(a, f, **kw):
@@ -34,7 +35,7 @@ def topology(a, f, **kw):
 @pytest.fixture(scope="module")
 def references(checkpoints):
     out = {}
-    for case in ("ds-qlora-grouped-yarn", "qwen3-norm-topk"):
+    for case in ("ds-qlora-grouped-yarn", "qwen3-norm-topk", *NEW_FAMILIES):
         model = load_model(checkpoints[case][0], dtype="float32")[0]
         out[case] = (checkpoints[case][0], model, *support.monolithic_capture(model, PROMPTS))
     return out
@@ -103,3 +104,25 @@ def test_real_processes(references, transport, a, f, case, gate, dense_on, share
                 experts = [n for n in names if ".mlp.experts." in n]
                 assert experts and all(any(m in n for m in mine) for n in experts)
                 assert not any("self_attn" in n or "embed_tokens" in n for n in names)
+
+
+@pytest.mark.parametrize("case", NEW_FAMILIES)
+@pytest.mark.parametrize("a, f, gate", [(2, 3, "ffn"), (3, 2, "attention"), (1, 2, "ffn")])
+def test_new_families_async_split(references, case, a, f, gate):
+    """DeepSeek-V3 and GLM-4.5 split exactly like V2: async micro-batches, A != F, the gate on either side."""
+    path, model, ref_values, ref_logits = references[case]
+    for dense_on, shared_on in [("attention", "ffn"), ("ffn", "attention")]:
+        t = topology(a, f, transport="loopback", gate=gate, dense_on=dense_on, shared_experts_on=shared_on)
+        with Cluster(path, t, ENGINE, pipeline=PipelineConfig("async", 2, "token")) as cluster:
+            check_cluster(cluster, model, ref_values, ref_logits, gate)
+
+
+@pytest.mark.parametrize("transport, case, gate", [("shm", "dsv3-grouped-yarn", "ffn"), ("torch", "glm4-qknorm-bias", "attention")])
+def test_new_families_real_processes(references, transport, case, gate):
+    path, model, ref_values, ref_logits = references[case]
+    t = topology(2, 3, transport=transport, gate=gate, dense_on="ffn", shared_experts_on="ffn")
+    with Cluster(path, t, ENGINE, pipeline=PipelineConfig("async", 2, "request")) as cluster:
+        check_cluster(cluster, model, ref_values, ref_logits, gate)
+        for r in cluster.ranks:  # role-aware: the routers (and V3's selection bias) only where the gate runs
+            on_rank = any(n.endswith("mlp.gate.e_score_correction_bias") or n.endswith("mlp.gate.weight") for n in r.ready.tensors)
+            assert on_rank == ((r.spec.role.name == "ATTENTION") == (gate == "attention")), r.spec.name

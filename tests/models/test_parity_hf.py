@@ -14,7 +14,7 @@ from afd.models import load_model
 from afd.testing.parity import compare_bf16, compare_greedy, compare_topk, compare_values, top2_gap
 from tests import support
 
-CASES = [*support.DEEPSEEK_CASES, *support.QWEN_CASES]
+CASES = [*support.DEEPSEEK_CASES, *support.QWEN_CASES, *support.DEEPSEEK_V3_CASES, *support.GLM_CASES]
 PROMPTS = [[0, 17, 44, 9, 120, 301, 5, 77, 8, 250, 3, 12, 99], [0, 200, 13, 7, 2], [0, 5, 6, 7, 8, 9, 10, 11, 12]]
 
 
@@ -38,7 +38,8 @@ def parity_reports(model, hf_model, prompts):
         for i, ref in layers.items():
             reports.append(compare_values(f"seq{s} layer{i} output", ref, cap[(i, "ffn_output")][rows]))
             if i in router:
-                scores = support.selection_scores(router[i][0], hf_model.config)
+                bias = getattr(hf_model.model.layers[i].mlp.gate, "e_score_correction_bias", None)
+                scores = support.selection_scores(router[i][0], hf_model.config, bias)
                 reports.append(compare_topk(f"seq{s} layer{i} experts", router[i][1], cap[(i, "topk_ids")][rows], scores))
         final = model.lm_head(cap[(model.config.num_layers, "final_hidden")][rows]).float()
         reports.append(compare_values(f"seq{s} logits (all positions)", logits, final))
@@ -149,3 +150,49 @@ def test_bf16_error_within_twice_transformers_bf16(checkpoints, case):
         cap, _ = prefill(model16, [ids])
         broken.append(model16.lm_head(cap[(model16.config.num_layers, "final_hidden")]).float())
     assert not compare_bf16(torch.cat(ref32), torch.cat(ref16), torch.cat(broken)).ok
+
+
+def _v3_failures(model, hf):
+    return [r for r in parity_reports(model, hf, PROMPTS) if not r.ok]
+
+
+def test_canary_v3_bias_ignored_in_selection_fails(checkpoints):
+    """noaux_tc chooses experts on score + e_score_correction_bias: a router that drops the bias picks other experts."""
+    path, hf = checkpoints["dsv3-grouped-yarn"]
+    model, _ = load_model(path, dtype="float32")
+    assert not _v3_failures(model, hf)
+    for i in model.config.moe.layers:
+        model.model.layers[i].mlp.gate.e_score_correction_bias.data.zero_()
+    failed = _v3_failures(model, hf)
+    assert any(hasattr(r, "near_ties") for r in failed), "ignoring the selection bias went unnoticed by the expert-id check"
+
+
+def test_canary_v3_bias_in_weights_fails(checkpoints):
+    """The bias only selects: weights come from the unbiased sigmoid scores. Weighting by biased scores must fail."""
+    from afd.types import Routing
+
+    path, hf = checkpoints["dsv3-grouped-yarn"]
+    model, _ = load_model(path, dtype="float32")
+    for i in model.config.moe.layers:
+        gate = model.model.layers[i].mlp.gate
+        plain = gate.forward
+
+        def biased(x, gate=gate, plain=plain):
+            r = plain(x)
+            w = r.topk_weights + gate.e_score_correction_bias[r.topk_ids]
+            w = w / w.sum(-1, keepdim=True) * gate.moe.routed_scaling_factor
+            return Routing(topk_ids=r.topk_ids, topk_weights=w)
+
+        gate.forward = biased
+    failed = _v3_failures(model, hf)
+    first = model.config.moe.layers[0]
+    assert any(r.name.endswith(f"layer{first} output") for r in failed), "bias in the weights went unnoticed"
+    assert not any(r.name.endswith(f"layer{first} experts") for r in failed), "the first MoE layer's selection must not move"
+
+
+def test_v3_checkpoint_mtp_layer_is_skipped(checkpoints, caplog):
+    path, _ = checkpoints["dsv3-grouped-yarn"]
+    with caplog.at_level("INFO", logger="afd.models.loader"):
+        _, report = load_model(path, dtype="float32")
+    assert report.skipped_mtp >= 10 and not any(t.startswith("model.layers.4.") for t in report.tensors)
+    assert "multi-token-prediction" in caplog.text

@@ -1,0 +1,109 @@
+"""fp8 block-scaled weights, as DeepSeek-V3's release stores them.
+
+A quantised linear weight ``W [R, C]`` is stored as ``float8_e4m3fn`` beside
+``weight_scale_inv [ceil(R/br), ceil(C/bc)]`` (fp32), one scale per ``br x bc``
+block (``quantization_config.weight_block_size``); the last block of a row or
+column may be partial. The real weight is ``W[i, j] * scale_inv[i // br, j // bc]``.
+Only weights are quantised: activations stay in the compute dtype
+(``activation_scheme: dynamic`` is read and ignored).
+
+Two ways to run such a checkpoint (``--fp8-weights``):
+
+``dequantize``  dequantise every weight once at load into the compute dtype
+                (the memory of a bf16 checkpoint, the speed of one);
+``keep``        keep fp8 and the scales in memory (about half of bf16) and
+                dequantise each weight right before its GEMM (:class:`Fp8Linear`,
+                and per expert in :class:`~afd.models.layers.GroupedExperts`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+FP8_MODES = ("dequantize", "keep")
+DEFAULT_FP8_MODE = "dequantize"  # faster decode at batch 8 on the synthetic V3 (docs/benchmarks.md)
+SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """A checkpoint's ``quantization_config`` (``quant_method: fp8``)."""
+
+    block: tuple[int, int]
+    dtype: torch.dtype = torch.float8_e4m3fn
+
+
+def fp8_format(raw_config: dict[str, Any]) -> Fp8Format | None:
+    """The checkpoint's fp8 format, or None for an unquantised one; refuses what afd cannot run."""
+    q = raw_config.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported; afd reads fp8 block-scaled "
+                         "checkpoints (quant_method: fp8, weight_block_size)")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"fp8 format {fmt!r} is not supported (e4m3 only)")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"fp8 checkpoints need quantization_config.weight_block_size [rows, cols]; got {block!r} "
+                         "(per-tensor fp8 scales are not supported)")
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"fp8 activation_scheme {scheme!r} is not supported (dynamic only: activations stay unquantised)")
+    log.info("fp8 checkpoint: %dx%d block-scaled weights; activation_scheme dynamic is ignored (activations stay in the "
+             "compute dtype)", *block)
+    return Fp8Format(block=(block[0], block[1]))
+
+
+def expand_scales(scale_inv: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
+    """Block scales [..., ceil(rows/br), ceil(cols/bc)] -> one per element [..., rows, cols] (fp32)."""
+    br, bc = block
+    want = (-(-rows // br), -(-cols // bc))
+    if tuple(scale_inv.shape[-2:]) != want:
+        raise ValueError(f"fp8 scales of shape {list(scale_inv.shape)} do not match a [{rows}, {cols}] weight in "
+                         f"{br}x{bc} blocks (expected [..., {want[0]}, {want[1]}])")
+    s = scale_inv.float().repeat_interleave(br, dim=-2)[..., :rows, :]
+    return s.repeat_interleave(bc, dim=-1)[..., :cols]
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """fp8 weight [..., R, C] and its block scales -> the real weight in ``dtype``."""
+    rows, cols = weight.shape[-2:]
+    return (weight.float() * expand_scales(scale_inv.to(weight.device), rows, cols, block)).to(dtype)
+
+
+class Fp8Linear(nn.Module):
+    """``nn.Linear`` over an fp8 block-scaled weight, dequantised for each call (``--fp8-weights keep``).
+
+    ``weight`` reads as the dequantised weight (what MLA's absorbed decode folds into its queries);
+    the stored tensors are ``qweight`` (fp8) and ``weight_scale_inv``.
+    """
+
+    def __init__(self, qweight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.qweight = nn.Parameter(qweight, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scale_inv.float(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.block, self.dtype = block, dtype
+        self.out_features, self.in_features = qweight.shape
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return dequantize(self.qweight, self.weight_scale_inv, self.block, self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 blocks {self.block}"
