@@ -1,7 +1,8 @@
 """``afd bench``: benchmarks as programs. Each prints a table and one summary line, and can write JSON.
 
-``afd bench generate``: prefill and decode tokens/s of the monolithic engine,
-on a checkpoint or on the built-in synthetic DeepSeek-V2-Lite-shaped model.
+``afd bench generate``: prefill and decode tokens/s and memory of the monolithic engine, on a
+checkpoint or on a synthetic random-weight model (DeepSeek-V2-Lite- or V3-shaped; with ``--fp8`` the
+synthetic model is written as an fp8 block-scaled checkpoint and loaded through the loader).
 ``afd bench connector``: one-way latency and bandwidth of each transport
 (:mod:`afd.cli.bench_connector`).
 ``afd bench pipeline``: async vs sync vs monolithic on one topology (:mod:`afd.cli.bench_pipeline`).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -26,7 +28,7 @@ import torch
 from afd.cli.common import device_arg, print_table, resolve_model
 from afd.config import SamplingParams
 
-SYNTHETIC = ("deepseek-v2-lite",)
+SYNTHETIC = ("deepseek-v2-lite", "deepseek-v3")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +37,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = bsub.add_parser("generate", help="prefill and decode throughput of the monolithic path")
     g.add_argument("model", nargs="?", help="model directory (default: the built-in model)")
     g.add_argument("--synthetic", choices=SYNTHETIC, help="use a random-weight model of this shape instead of a checkpoint")
-    g.add_argument("--synthetic-layers", type=int, default=8, help="layers of the synthetic model (first is dense)")
+    g.add_argument("--synthetic-layers", type=int, help="layers of the synthetic model, the first dense (default: 8 for "
+                   "deepseek-v2-lite, 4 for deepseek-v3)")
+    g.add_argument("--fp8", choices=["dequantize", "keep"],
+                   help="synthetic model only: write it as an fp8 block-scaled (128x128) checkpoint and load it this way "
+                        "(--fp8-weights); default: bf16/fp32 weights built in memory")
+    g.add_argument("--fp8-weights", choices=["dequantize", "keep"], default="dequantize",
+                   help="with a checkpoint: how fp8 block-scaled weights are held")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     g.add_argument("--num-seqs", type=int, default=8)
     g.add_argument("--prompt-len", type=int, default=128)
@@ -56,17 +64,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _load(args: argparse.Namespace):
+    import tempfile
+
     from afd.models import WeightSelection, load_model
-    from afd.models.synthetic import deepseek_v2_lite_shaped, random_model
+    from afd.models.synthetic import SYNTHETIC_SHAPES, random_model, write_random_checkpoint
 
     args.device = device_arg(args.device)  # checked before the (long) load
     if args.synthetic:
         dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-        raw = deepseek_v2_lite_shaped(num_layers=args.synthetic_layers)
-        return random_model(raw, dtype).to(args.device), f"synthetic {args.synthetic} ({args.synthetic_layers} layers, random)"
+        layers = args.synthetic_layers or (4 if args.synthetic == "deepseek-v3" else 8)
+        raw = SYNTHETIC_SHAPES[args.synthetic](num_layers=layers)
+        label = f"synthetic {args.synthetic} ({layers} layers, {raw['n_routed_experts']} experts, random)"
+        if not args.fp8:
+            return random_model(raw, dtype).to(args.device), label
+        with tempfile.TemporaryDirectory(prefix="afd-bench-fp8-") as tmp:
+            print(f"writing an fp8 checkpoint of the {label} model to {tmp}", file=sys.stderr, flush=True)
+            write_random_checkpoint(raw, tmp, torch.bfloat16, fp8_block=(128, 128))
+            model, _ = load_model(tmp, dtype=dtype, selection=WeightSelection.full(), device=args.device, fp8=args.fp8)
+        return model, f"{label}, fp8 {args.fp8}"
+    if args.fp8:
+        raise ValueError("--fp8 is for --synthetic models; a checkpoint's fp8 weights are loaded as --fp8-weights says")
     model_dir = resolve_model(args.model)
-    model, _ = load_model(model_dir, dtype=args.dtype, selection=WeightSelection.full(), device=args.device)
+    model, _ = load_model(model_dir, dtype=args.dtype, selection=WeightSelection.full(), device=args.device, fp8=args.fp8_weights)
     return model, str(model_dir)
+
+
+def _weight_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if not t.is_meta)
 
 
 def _one_run(model, args: argparse.Namespace, seed: int) -> tuple[float, float]:
@@ -121,6 +145,8 @@ def run_generate(args: argparse.Namespace) -> int:
         "prefill_tok_s": prefill_tokens / statistics.median(prefill),
         "decode_tok_s": decode_tokens / statistics.median(decode) if decode_tokens else 0.0,
         "decode_ms_per_step": 1e3 * statistics.median(decode) / max(1, args.new_tokens - 1),
+        "weights_mib": _weight_bytes(model) / 2**20,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "device": args.device,
         "date": date.today().isoformat(),
@@ -134,7 +160,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print(
         f"summary: {label} {result['dtype']}, {args.num_seqs} seqs x {args.prompt_len} prompt + {args.new_tokens} new, "
         f"median of {args.runs}: prefill {result['prefill_tok_s']:.1f} tok/s, decode {result['decode_tok_s']:.1f} tok/s "
-        f"({result['decode_ms_per_step']:.1f} ms/step)"
+        f"({result['decode_ms_per_step']:.1f} ms/step); weights {result['weights_mib']:.0f} MiB, peak RSS {result['peak_rss_mib']:.0f} MiB"
     )
     if args.json_out:
         with open(args.json_out, "w") as f:

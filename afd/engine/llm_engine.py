@@ -22,6 +22,7 @@ from afd.engine.tokenizer import Tokenizer
 from afd.kvcache import BlockManager, PagedKVCache
 from afd.models import WeightSelection, load_model
 from afd.models.base import MoEModel
+from afd.models.quant import DEFAULT_FP8_MODE
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,11 @@ class LLMEngine:
         device: str = "cpu",
         max_step_memory: int | None = None,
         max_model_len: int | None = None,
+        fp8_weights: str = DEFAULT_FP8_MODE,
     ) -> "LLMEngine":
         """The monolithic engine of a checkpoint. The token cap, step memory and context left None
         are derived (afd/engine/budget.py); ``engine.limits`` says what they came to."""
-        model, _ = load_model(model_dir, dtype=dtype, selection=WeightSelection.full(), device=device)
+        model, _ = load_model(model_dir, dtype=dtype, selection=WeightSelection.full(), device=device, fp8=fp8_weights)
         model_dtype = model.model.embed_tokens.weight.dtype
         limits = engine_limits(model.config, model_dtype, kv_cache_memory, block_size, max_num_seqs, max_model_len, max_step_memory,
                                max_num_batched_tokens)

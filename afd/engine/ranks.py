@@ -34,6 +34,7 @@ from afd.engine.tokenizer import Tokenizer
 from afd.ffn.worker import FFNWorker
 from afd.kvcache import BlockManager, SeqChunk
 from afd.models import WeightSelection, load_model
+from afd.models.quant import DEFAULT_FP8_MODE
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_step_memory: int | None = None
     max_model_len: int | None = None
+    fp8_weights: str = DEFAULT_FP8_MODE  # fp8 block-scaled checkpoints: dequantize at load | keep (afd/models/quant.py)
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,8 @@ def run_rank(spec: RankSpec, conn, hub=None, is_process: bool = True) -> None:
 
 
 def _load(spec: RankSpec):
-    model, report = load_model(spec.model_dir, dtype=spec.engine.dtype, selection=selection_for(spec), device=spec.device.torch_device)
+    model, report = load_model(spec.model_dir, dtype=spec.engine.dtype, selection=selection_for(spec), device=spec.device.torch_device,
+                               fp8=spec.engine.fp8_weights)
     return model, ReadyReport(spec.name, os.getpid(), report.tensors, report.bytes_read)
 
 

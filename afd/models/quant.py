@@ -65,6 +65,25 @@ def fp8_format(raw_config: dict[str, Any]) -> Fp8Format | None:
     return Fp8Format(block=(block[0], block[1]))
 
 
+def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [R, C] -> (e4m3 weight, scale_inv [ceil(R/br), ceil(C/bc)]): each block scaled so that its
+    largest magnitude maps to e4m3's 448 (how synthetic fp8 checkpoints are written)."""
+    rows, cols = weight.shape
+    br, bc = block
+    nr, nc = -(-rows // br), -(-cols // bc)
+    padded = F.pad(weight.float(), (0, nc * bc - cols, 0, nr * br - rows)).view(nr, br, nc, bc)
+    scale = padded.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max  # [nr, nc]
+    q = (padded / scale[:, None, :, None]).view(nr * br, nc * bc)[:rows, :cols]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    """What DeepSeek-V3's release stores in fp8: the 2-D linear weights of attention, dense MLPs and experts
+    (not embeddings, norms, routers or the LM head)."""
+    return (len(shape) == 2 and name.endswith(".weight") and (".self_attn." in name or ".mlp." in name)
+            and "norm" not in name and not name.endswith("mlp.gate.weight"))
+
+
 def expand_scales(scale_inv: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
     """Block scales [..., ceil(rows/br), ceil(cols/bc)] -> one per element [..., rows, cols] (fp32)."""
     br, bc = block

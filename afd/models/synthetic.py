@@ -1,8 +1,12 @@
-"""Random-weight models built in memory, for benchmarks (no checkpoint on disk).
+"""Random-weight models for benchmarks, in memory or written as a checkpoint.
 
 ``deepseek_v2_lite_shaped()`` has the layer shapes of DeepSeek-V2-Lite (hidden
 2048, 16 heads, MLA 512/64/128, 64 experts x 1408, top-6, 2 shared experts)
 with fewer layers and a smaller vocabulary, so a CPU can run it.
+``deepseek_v3_shaped()`` has DeepSeek-V3's attention and expert dims (hidden
+7168, 128 heads, q_lora 1536, MLA 512/64/128, experts x 2048, a dense layer of
+18432) with 4 layers, 16 routed experts (top-4 of 4 groups, keep 2) and a 32k
+vocabulary, so that it fits in 24 GiB.
 """
 
 from __future__ import annotations
@@ -62,6 +66,48 @@ def deepseek_v2_lite_shaped(num_layers: int = 8, vocab_size: int = 32000) -> dic
     }
 
 
+def deepseek_v3_shaped(num_layers: int = 4, vocab_size: int = 32000, num_experts: int = 16) -> dict[str, Any]:
+    """A config.json dict with DeepSeek-V3's layer shapes (1 dense layer; fewer, smaller-vocab layers)."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": vocab_size,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": num_layers,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "n_routed_experts": num_experts,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "max_position_embeddings": 163840,
+        "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "dtype": "bfloat16",
+    }
+
+
+SYNTHETIC_SHAPES = {"deepseek-v2-lite": deepseek_v2_lite_shaped, "deepseek-v3": deepseek_v3_shaped}
+
+
 @torch.no_grad()
 def random_model(raw_config: dict[str, Any], dtype: torch.dtype, std: float = 0.02, seed: int = 0) -> MoEModel:
     """Materialise every parameter with N(0, std) (norm weights 1), seeded."""
@@ -81,10 +127,14 @@ def random_model(raw_config: dict[str, Any], dtype: torch.dtype, std: float = 0.
 
 @torch.no_grad()
 def write_random_checkpoint(
-    raw_config: dict[str, Any], path, dtype: torch.dtype = torch.bfloat16, std: float = 0.02, seed: int = 0, shard_bytes: int = 1 << 30
+    raw_config: dict[str, Any], path, dtype: torch.dtype = torch.bfloat16, std: float = 0.02, seed: int = 0, shard_bytes: int = 1 << 30,
+    fp8_block: tuple[int, int] | None = None,
 ) -> int:
     """Write a random-weight checkpoint in the Hugging Face layout (per-expert keys), shard by shard
-    (``model.safetensors.index.json`` + shards of about ``shard_bytes``). Returns the tensor bytes written."""
+    (``model.safetensors.index.json`` + shards of about ``shard_bytes``). Returns the tensor bytes written.
+    ``fp8_block``: store the linear weights as DeepSeek-V3's release does (e4m3 + block ``weight_scale_inv``)."""
+    from afd.models.quant import SCALE_SUFFIX, is_quantizable, quantize
+
     import json
     from pathlib import Path
 
@@ -121,12 +171,21 @@ def write_random_checkpoint(
             t = torch.ones(shape, dtype=t_dtype)
         else:
             t = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen).to(t_dtype)
-        shard[c.source] = t
-        size += t.numel() * t.element_size()
-        total += t.numel() * t.element_size()
+        stored = {c.source: t}
+        if fp8_block is not None and is_quantizable(c.source, tuple(shape)):
+            q, scale = quantize(t, fp8_block)
+            stored = {c.source: q, c.source + SCALE_SUFFIX: scale}
+        for name, t in stored.items():
+            shard[name] = t
+            size += t.numel() * t.element_size()
+            total += t.numel() * t.element_size()
         if size > shard_bytes:
             flush()
     flush()
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps({**raw_config, "dtype": str(dtype).removeprefix("torch.")}, indent=2))
+    raw = {**raw_config, "dtype": str(dtype).removeprefix("torch.")}
+    if fp8_block is not None:
+        raw["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                      "weight_block_size": list(fp8_block)}
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
     return total

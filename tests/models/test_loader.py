@@ -230,3 +230,39 @@ def test_role_peak_memory_on_a_500mb_checkpoint(tmp_path):
     assert res["attention"]["bytes_read"] < 0.05 * total
     assert res["attention"]["peak_delta_kb"] < 0.2 * full_kb, res
     assert res["experts"]["peak_delta_kb"] < 0.3 * full_kb, res
+
+
+CONFIGS = Path(__file__).parent.parent / "data" / "configs"
+
+
+def test_published_deepseek_v3_config_parses():
+    """DeepSeek-V3's config.json as published (fp8, YaRN, noaux_tc, MTP, unused keys such as aux_loss_alpha)."""
+    from afd.models import parse_hf_config
+    from afd.models.quant import fp8_format
+
+    raw = json.loads((CONFIGS / "deepseek-v3.json").read_text())
+    c = parse_hf_config(raw)
+    assert c.architecture == "DeepseekV3ForCausalLM" and c.num_layers == 61 and c.num_mtp_layers == 1
+    assert c.mla.q_lora_rank == 1536 and c.mla.kv_lora_rank == 512 and c.rope.type == "yarn" and c.rope.interleaved
+    m = c.moe
+    assert (m.scoring, m.topk_method, m.scale_after_norm, m.norm_topk_prob) == ("sigmoid", "noaux_tc", True, True)
+    assert (m.num_experts, m.top_k, m.num_groups, m.topk_groups, m.routed_scaling_factor) == (256, 8, 8, 4, 2.5)
+    assert m.layers == tuple(range(3, 61)) and m.num_shared_experts == 1
+    assert fp8_format(raw).block == (128, 128)
+
+
+def test_published_glm45_config_parses():
+    from afd.models import parse_hf_config
+
+    c = parse_hf_config(json.loads((CONFIGS / "glm-4.5.json").read_text()))
+    assert c.architecture == "Glm4MoeForCausalLM" and c.head_dim == 128 and c.rope.dim == 64 and not c.rope.interleaved
+    assert c.qk_norm and c.attention_bias and c.num_mtp_layers == 1 and c.eos_token_ids == (151329, 151336, 151338)
+    assert c.rope.theta == 1e6 and c.moe.layers == tuple(range(3, 92)) and c.moe.scale_after_norm and c.moe.routed_scaling_factor == 2.5
+
+
+def test_v3_with_other_routing_is_refused():
+    from afd.models import parse_hf_config
+
+    raw = json.loads((CONFIGS / "deepseek-v3.json").read_text())
+    with pytest.raises(UnsupportedArchitectureError, match="scoring_func='softmax'"):
+        parse_hf_config({**raw, "scoring_func": "softmax"})
