@@ -275,6 +275,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's context (afd.engine.budget caps it to the KV cache)
+    enable_prefix_caching: bool = True  # reuse the KV blocks of cached prompt prefixes (afd/kvcache/block_manager.py)
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)

@@ -35,7 +35,7 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--serve-flags", default="--dtype bfloat16 --kv-cache-memory 2G", help="flags of the afd serve started here")
     p.add_argument("--url", help="measure this running server instead of starting one")
     p.add_argument("--pid", type=int, help="with --url: the server's pid, for its RSS")
-    p.add_argument("--prompts", default="1024,4096", help="long prompt lengths (default 1024,4096)")
+    p.add_argument("--prompts", default="1024,4096", help="long prompt lengths (default 1024,4096; '' for none: decode only)")
     p.add_argument("--decodes", default="32,64", help="decoding sequence counts (default 32,64)")
     p.add_argument("--window", type=float, default=10.0, help="seconds of decode measured (default 10)")
     p.add_argument("--json", dest="json_out")
@@ -149,6 +149,10 @@ async def _decode_rate(url: str, vocab: int, running: int, window: float) -> flo
     return n / elapsed
 
 
+def _counts(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def _alive(pid: int | None) -> bool:
     """The server process exists and is not a zombie (killed, not yet reaped)."""
     if pid is None:
@@ -175,11 +179,10 @@ def run(args: argparse.Namespace) -> int:
             vocab = Tokenizer(model_dir).vocab_size
             flags = shlex.split(args.serve_flags)
             if "--max-num-seqs" not in flags:  # room for the decoding sequences and the long prompt beside them
-                flags += ["--max-num-seqs", str(max(int(x) for x in args.decodes.split(",")) + 1)]
+                flags += ["--max-num-seqs", str(max(_counts(args.decodes), default=0) + 1)]
             server = ServerProcess(model_dir, *flags, env={"AFD_NUM_THREADS": "1"})
             url, pid = server.url, server.proc.pid
-        prompts = [int(x) for x in args.prompts.split(",")]
-        decodes = [int(x) for x in args.decodes.split(",")]
+        prompts, decodes = _counts(args.prompts), _counts(args.decodes)
         results: dict[str, dict] = {}
         scenarios = [(f"TTFT {length}-token prompt" + (f" beside {beside} decoding" if beside else " alone"), "ttft_s",
                       lambda length=length, beside=beside: _ttft(url, vocab, length, beside))

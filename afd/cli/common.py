@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bytes a step's temporaries may take beyond weights and KV cache, e.g. 1G (default: as much as the KV "
                         "cache, between a 512- and an 8192-token step)")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's, capped to what the KV cache holds)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompt prefixes seen before (default: on; the cache lives in, and is "
+                        "sized by, --kv-cache-memory)")
     from afd.models.quant import DEFAULT_FP8_MODE, FP8_MODES
 
     p.add_argument("--fp8-weights", choices=FP8_MODES, default=DEFAULT_FP8_MODE,
@@ -72,7 +75,8 @@ def monolithic_engine(args: argparse.Namespace, model_dir: Path):
     engine = LLMEngine.from_pretrained(model_dir, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                        device=device_arg(args.device), max_step_memory=args.max_step_memory,
-                                       max_model_len=args.max_model_len, fp8_weights=args.fp8_weights)
+                                       max_model_len=args.max_model_len, fp8_weights=args.fp8_weights,
+                                       enable_prefix_caching=args.enable_prefix_caching)
     print(f"afd: {engine.limits.describe()}", file=sys.stderr, flush=True)
     return engine
 
@@ -82,7 +86,7 @@ def engine_args(args: argparse.Namespace):
     from afd.engine.ranks import EngineArgs
 
     return EngineArgs(args.dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
-                      args.max_step_memory, args.max_model_len, args.fp8_weights)
+                      args.max_step_memory, args.max_model_len, args.enable_prefix_caching, args.fp8_weights)
 
 
 def setup_process(verbose: bool = False) -> None:

@@ -46,7 +46,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.runner = runner or ModelRunner(model, config.cache, config.device)
-        self.blocks = BlockManager(config.cache.num_blocks, config.cache.block_size)
+        self.blocks = BlockManager(config.cache.num_blocks, config.cache.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         eos = set(model.config.eos_token_ids)
@@ -75,6 +75,7 @@ class LLMEngine:
         max_step_memory: int | None = None,
         max_model_len: int | None = None,
         fp8_weights: str = DEFAULT_FP8_MODE,
+        enable_prefix_caching: bool = True,
     ) -> "LLMEngine":
         """The monolithic engine of a checkpoint. The token cap, step memory and context left None
         are derived (afd/engine/budget.py); ``engine.limits`` says what they came to."""
@@ -89,6 +90,7 @@ class LLMEngine:
             dtype="bfloat16" if model_dtype == torch.bfloat16 else "float32",
             device=device,
             max_model_len=limits.max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
         )
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()  # without one, prompts are token ids
         engine = cls(model, Tokenizer(model_dir) if has_tokenizer else None, config)
@@ -151,6 +153,8 @@ class LLMEngine:
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_blocks_peak": self.peak_blocks,
             "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.scheduler.prefix_queries,
+            "prefix_cache_hits": self.scheduler.prefix_hits,
             "steps": self.num_steps,
             "busy_s": self.busy_s,
         }
@@ -208,6 +212,7 @@ class LLMEngine:
                 self._score_prompt(req, item.chunk.start, hidden[row : row + item.chunk.length])
             row += item.chunk.length
             req.num_computed += item.chunk.length
+            self.blocks.commit(req.request_id, req.all_ids, req.num_computed)  # full blocks become reusable
             if req.num_pending:
                 continue  # a chunk of a longer prompt: nothing to sample yet
             if req.params.max_tokens == 0:  # prompt logprobs only

@@ -32,7 +32,7 @@ from afd.distributed.topology import DeviceSpec, ExpertPlacement, Topology
 from afd.engine.llm_engine import LLMEngine, cache_config_for
 from afd.engine.tokenizer import Tokenizer
 from afd.ffn.worker import FFNWorker
-from afd.kvcache import BlockManager, SeqChunk
+from afd.kvcache import SeqChunk
 from afd.models import WeightSelection, load_model
 from afd.models.quant import DEFAULT_FP8_MODE
 
@@ -51,6 +51,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_step_memory: int | None = None
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True
     fp8_weights: str = DEFAULT_FP8_MODE  # fp8 block-scaled checkpoints: dequantize at load | keep (afd/models/quant.py)
 
 
@@ -163,7 +164,8 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
         plane = StepPlane(spec.index, range(t.num_attention_ranks), *spec.steps, timeout=max(600.0, spec.link_timeout))
     runner = DisaggregatedRunner(model, cache, endpoint, t, spec.pipeline, plane=plane)
     config = EngineConfig(cache=cache, max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-                          dtype="bfloat16" if dtype == torch.bfloat16 else "float32", max_model_len=e.max_model_len)
+                          dtype="bfloat16" if dtype == torch.bfloat16 else "float32", max_model_len=e.max_model_len,
+                          enable_prefix_caching=e.enable_prefix_caching)
     tokenizer = Tokenizer(spec.model_dir) if (Path(spec.model_dir) / "tokenizer.json").is_file() else None  # token ids only
     engine = LLMEngine(model, tokenizer, config, runner)
     conn.send(("ready", ready))
@@ -237,11 +239,16 @@ def _capture(engine: LLMEngine, prompts: list[list[int]], together: bool = False
     tokens = sum(len(p) for p in prompts)
     if tokens > engine.config.max_num_batched_tokens:  # links and step memory are sized for the token cap
         raise ValueError(f"a capture of {tokens} tokens exceeds max_num_batched_tokens {engine.config.max_num_batched_tokens}")
-    if prompts:
-        blocks = BlockManager(engine.config.cache.num_blocks, engine.config.cache.block_size)
-        chunks = [SeqChunk(blocks.ensure(i, len(p)), 0, len(p)) for i, p in enumerate(prompts)]
-        logits = runner.execute([t for p in prompts for t in p], chunks, solo=not together,
-                                observer=lambda layer, b, x: values.__setitem__((layer, b), x.to("cpu", copy=True)))
+    if prompts:  # blocks from the engine's own pool (never a running or cached sequence's), returned after
+        seqs = [-1 - i for i in range(len(prompts))]
+        try:
+            chunks = [SeqChunk(engine.blocks.ensure(s, len(p)), 0, len(p)) for s, p in zip(seqs, prompts)]
+            logits = runner.execute([t for p in prompts for t in p], chunks, solo=not together,
+                                    observer=lambda layer, b, x: values.__setitem__((layer, b), x.to("cpu", copy=True)))
+        finally:
+            for s in seqs:
+                if engine.blocks.holds(s):
+                    engine.blocks.free(s)
         out = values, logits.cpu()  # CPU tensors through the pipe, whatever the rank's device
     elif together:
         runner.idle()

@@ -6,6 +6,10 @@ are admitted while the token budget, the sequence limit and free blocks allow.
 Prompts longer than the budget are prefilled in chunks. When blocks run out,
 the newest running request is preempted: its blocks are freed and it is
 recomputed later from its prompt and the tokens it already produced.
+
+With prefix caching, a request is admitted on the cached blocks of its longest
+cached prefix and computes only the rest; a request that asks for prompt
+logprobs computes every position (it may fill the cache, it never reads it).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_queries = 0  # tokens of admitted requests looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found cached (not computed)
 
     def add(self, request: Request, max_total_tokens: int) -> None:
         need = self.blocks.blocks_for(max_total_tokens)
@@ -59,11 +65,18 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_pending, budget)
-            if not self.blocks.can_ensure(req.request_id, req.num_computed + n):
+            prefix = self.blocks.lookup(req.all_ids) if req.prompt_logprobs is None else []
+            cached = len(prefix) * self.blocks.block_size
+            n = min(req.num_tokens - cached, budget)
+            if not self.blocks.can_admit(cached + n, prefix):
                 break
+            if self.blocks.enable_caching:
+                self.prefix_queries += req.num_tokens
+                self.prefix_hits += cached
             self.waiting.popleft()
-            self.blocks.ensure(req.request_id, req.num_computed + n)
+            self.blocks.attach(req.request_id, prefix)
+            req.num_computed = cached
+            self.blocks.ensure(req.request_id, cached + n)
             req.status = Status.RUNNING
             self.running.append(req)
             batch.append(ScheduledChunk(req, SeqChunk(self.blocks.table(req.request_id), req.num_computed, n)))

@@ -1,8 +1,32 @@
-"""Block manager: which fixed-size KV blocks each sequence owns. Pure Python, no tensors."""
+"""Block manager: which fixed-size KV blocks each sequence owns, and which full blocks are cached
+for reuse by later sequences with the same prefix (automatic prefix caching). Pure Python, no tensors.
+
+Prefix caching, as vLLM does it: a *full* block is named by a hash of its tokens chained to the
+hash of the block before it, so equal names mean equal prefixes (the tokens are also compared on
+a hit). Blocks are refcounted: a block shared by several sequences returns to the pool only when
+the last one lets go, and then it stays cached (evictable, least recently used first) until a
+new allocation needs it. A sequence only ever writes KV at positions past its cached prefix, so a
+shared block is never written.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from typing import Sequence
+
+
+def block_name(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """The name of a full block: its tokens chained to the name of the block before it (None: the first)."""
+    return hash((parent, tokens))
+
+
+def prefix_names(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Names of the full blocks a prefix-cache lookup of ``token_ids`` may cover (the last token excluded)."""
+    names, parent = [], None
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = block_name(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
+        names.append(parent)
+    return names
 
 
 class OutOfBlocksError(RuntimeError):
@@ -14,24 +38,38 @@ class BlockManager:
 
     A sequence's block table lists its blocks in order: token ``j`` of the
     sequence lives in slot ``table[j // block_size] * block_size + j % block_size``.
-    Growing a table is all-or-nothing: on failure nothing changes.
+    Growing a table is all-or-nothing: on failure nothing changes. With
+    ``enable_caching``, :meth:`lookup` finds a cached prefix, :meth:`attach` starts a
+    sequence on it, and :meth:`commit` names a sequence's blocks as they fill.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        self._free: deque[int] = deque(range(num_blocks))  # hold nothing reusable
         self._tables: dict[int, list[int]] = {}
+        self._refs = [0] * num_blocks
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self._block_of: dict[int, int] = {}  # hash -> the cached block
+        self._key_of: dict[int, tuple[int, int | None, tuple[int, ...]]] = {}  # block -> (hash, parent hash, tokens)
+        self._chains: dict[int, list[int]] = {}  # sequence -> hashes of its full blocks so far
 
+    # ------------------------------------------------------------------ counts
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: never-used ones and cached ones no sequence holds."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -42,19 +80,38 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - have)
 
     def can_ensure(self, seq_id: int, num_tokens: int) -> bool:
-        return self.num_new_blocks(seq_id, num_tokens) <= len(self._free)
+        return self.num_new_blocks(seq_id, num_tokens) <= self.num_free_blocks
+
+    def can_admit(self, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """Whether a new sequence starting on the cached ``prefix`` blocks can hold ``num_tokens``."""
+        reclaimed = sum(1 for b in prefix if b in self._evictable)  # attaching takes them out of the pool
+        return self.blocks_for(num_tokens) - len(prefix) <= self.num_free_blocks - reclaimed
+
+    # ------------------------------------------------------------------ allocation
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:  # evict the least recently used cached block
+            block, _ = self._evictable.popitem(last=False)
+            h = self._key_of.pop(block)[0]
+            del self._block_of[h]
+        self._refs[block] = 1
+        return block
 
     def ensure(self, seq_id: int, num_tokens: int) -> list[int]:
         """Grow ``seq_id``'s table to hold ``num_tokens`` tokens in total; return the table."""
         need = self.num_new_blocks(seq_id, num_tokens)
-        if need > len(self._free):
+        if need > self.num_free_blocks:
             raise OutOfBlocksError(
                 f"sequence {seq_id} needs {need} more KV blocks for {num_tokens} tokens, "
-                f"{len(self._free)} of {self.num_blocks} free; raise the KV cache size or lower the batch"
+                f"{self.num_free_blocks} of {self.num_blocks} free; raise the KV cache size or lower the batch"
             )
         table = self._tables.setdefault(seq_id, [])
-        table.extend(self._free.popleft() for _ in range(need))
+        table.extend(self._take() for _ in range(need))
         return table
+
+    def holds(self, seq_id: int) -> bool:
+        return seq_id in self._tables
 
     def table(self, seq_id: int) -> list[int]:
         try:
@@ -63,12 +120,20 @@ class BlockManager:
             raise KeyError(f"sequence {seq_id} holds no KV blocks") from None
 
     def free(self, seq_id: int) -> None:
-        """Return all of ``seq_id``'s blocks to the pool. Freeing an unknown sequence is an error."""
+        """Let go of all of ``seq_id``'s blocks. A block returns to the pool when no sequence holds it;
+        a cached one stays reusable until evicted. Freeing an unknown sequence is an error."""
         try:
             table = self._tables.pop(seq_id)
         except KeyError:
             raise KeyError(f"sequence {seq_id} holds no KV blocks (double free?)") from None
-        self._free.extend(table)
+        self._chains.pop(seq_id, None)
+        for block in reversed(table):  # a chain's tail is evicted before its head
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._key_of:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
 
     def slot(self, seq_id: int, position: int) -> int:
         table = self.table(seq_id)
@@ -76,3 +141,62 @@ class BlockManager:
         if block >= len(table):
             raise IndexError(f"position {position} of sequence {seq_id} is beyond its {len(table)} blocks")
         return table[block] * self.block_size + offset
+
+    # ------------------------------------------------------------------ prefix cache
+    def lookup(self, token_ids: Sequence[int]) -> list[int]:
+        """The cached blocks of the longest prefix of ``token_ids`` held in full blocks, leaving at
+        least the last token to compute (its logits are needed)."""
+        bs, blocks, parent = self.block_size, [], None
+        for i in range((len(token_ids) - 1) // bs if self.enable_caching else 0):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = block_name(parent, tokens)
+            block = self._block_of.get(h)
+            if block is None or self._key_of[block][1:] != (parent, tokens):
+                break
+            blocks.append(block)
+            parent = h
+        return blocks
+
+    def attach(self, seq_id: int, prefix: Sequence[int]) -> None:
+        """Start the new sequence ``seq_id`` on the cached ``prefix`` blocks (from :meth:`lookup`)."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id} already holds KV blocks")
+        if not prefix:
+            return
+        for block in prefix:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+        self._tables[seq_id] = list(prefix)
+        self._chains[seq_id] = [self._key_of[b][0] for b in prefix]
+
+    def commit(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
+        """Name ``seq_id``'s blocks that are full now (its first ``num_computed`` of ``token_ids`` are in
+        the cache), so that later sequences can reuse them."""
+        if not self.enable_caching:
+            return
+        chain = self._chains.setdefault(seq_id, [])
+        table, bs = self._tables[seq_id], self.block_size
+        for i in range(len(chain), num_computed // bs):
+            parent = chain[-1] if chain else None
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = block_name(parent, tokens)
+            block = table[i]
+            if h not in self._block_of and block not in self._key_of:
+                self._block_of[h] = block
+                self._key_of[block] = (h, parent, tokens)
+            chain.append(h)
+
+    def check(self) -> None:
+        """Invariants (tests): refcounts match the tables; a block is in exactly one of held, free, evictable."""
+        held: dict[int, int] = {}
+        for table in self._tables.values():
+            for b in table:
+                held[b] = held.get(b, 0) + 1
+        assert all(self._refs[b] == n for b, n in held.items()), "refcount differs from the tables holding the block"
+        assert all(self._refs[b] == 0 for b in range(self.num_blocks) if b not in held)
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free) and not (free & evictable) and not (free & held.keys()) and not (evictable & held.keys())
+        assert len(free) + len(evictable) + len(held) == self.num_blocks, "a block is lost"
+        assert evictable <= self._key_of.keys() and not (free & self._key_of.keys())
+        assert all(self._block_of[k[0]] == b for b, k in self._key_of.items())

@@ -23,6 +23,7 @@ class UnsupportedArchitectureError(ValueError):
 ARCHITECTURES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi-K2 ships V3's architecture under its own model_type
     "glm4_moe": "Glm4MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
@@ -48,8 +49,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {archs or model_type!r}; afd supports: {supported}"
         )
-    if model_type in ("deepseek_v2", "deepseek_v3"):
-        return _parse_deepseek(raw, v3=model_type == "deepseek_v3")
+    if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2"):
+        return _parse_deepseek(raw, v3=model_type != "deepseek_v2")
     if model_type == "glm4_moe":
         return _parse_glm4_moe(raw)
     return _parse_qwen3_moe(raw)

@@ -106,6 +106,12 @@ class ClusterReplicas:
         self.pipeline = pipeline
         self.num = len(cluster.attention_ranks())
         self.max_model_len = cluster.limits.max_model_len
+        self.router = None  # several replicas with prefix caching: send a prompt where its prefix is cached
+        if self.num > 1 and cluster.engine.enable_prefix_caching:
+            from afd.serving.routing import PrefixRouter
+
+            self.router = PrefixRouter(self.num, cluster.engine.block_size, cluster.limits.num_blocks,
+                                       cluster.engine.max_num_batched_tokens)
         self._lock = threading.Lock()
         self._wave = -1  # the last wave of agreed steps started on every rank
 
@@ -172,7 +178,8 @@ class _Stream:
 
 
 class Frontend:
-    """Balances requests over replicas by outstanding tokens and streams their deltas to asyncio tasks."""
+    """Balances requests over replicas by outstanding tokens (or by cached prefix: afd/serving/routing.py)
+    and streams their deltas to asyncio tasks."""
 
     def __init__(self, replicas, metrics=None, on_failure: Callable[[str], None] | None = None) -> None:
         self.replicas = replicas
@@ -215,7 +222,11 @@ class Frontend:
         if self.draining:
             raise ServiceUnavailable("the server is shutting down")
         rid = next(self._ids)
-        replica = min(range(self.replicas.num), key=lambda i: self._load[i])
+        router = getattr(self.replicas, "router", None)
+        if router is not None:
+            replica = router.choose(prompt_ids, self._load)
+        else:
+            replica = min(range(self.replicas.num), key=lambda i: self._load[i])
         stream = _Stream(rid, replica, len(prompt_ids) + params.max_tokens, asyncio.Queue(), len(prompt_ids))
         self._streams[rid] = stream
         self._load[replica] += stream.load

@@ -81,6 +81,16 @@ class _EngineCollector:
                 steps.add_metric([str(i)], s["steps"])
         yield pre
         yield steps
+        queries = CounterMetricFamily("afd_prefix_cache_queries", "Prompt tokens of admitted requests looked up in the prefix cache",
+                                      labels=["replica"])
+        hits = CounterMetricFamily("afd_prefix_cache_hits", "Of those, tokens whose KV came from the cache (not computed)",
+                                   labels=["replica"])
+        for i, s in stats:
+            if "prefix_cache_queries" in s:
+                queries.add_metric([str(i)], s["prefix_cache_queries"])
+                hits.add_metric([str(i)], s["prefix_cache_hits"])
+        yield queries
+        yield hits
         busy = CounterMetricFamily("afd_busy_seconds", "Time each role spent computing", labels=["role", "rank"])
         for i, s in stats:
             if "busy_s" in s:

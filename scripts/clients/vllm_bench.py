@@ -6,7 +6,11 @@ Starts ``afd serve`` on the built-in model (fp32) monolithic, then 1 attention +
 attention + 1 FFN rank async over shm, and runs ``vllm bench serve --backend openai`` (random dataset,
 64 tokens in, 32 out, EOS ignored) against each, then ``--backend openai-chat``. Prints completed
 and failed requests, output throughput, median TTFT and TPOT. Fails if any request failed. The venv
-is made by scripts/clients/setup-venvs.sh."""
+is made by scripts/clients/setup-venvs.sh.
+
+``--prefix-repetition P,S,N``: instead, the prefix cache: monolithic ``afd serve`` with and without
+``--no-enable-prefix-caching`` under vLLM's ``prefix_repetition`` dataset (N shared prefixes of P
+tokens, each prompt one of them + S tokens of its own), with the cache's hit counters from /metrics."""
 
 from __future__ import annotations
 
@@ -46,10 +50,22 @@ def running_sampler(url: str, stop: threading.Event, out: list) -> None:
         out.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("afd_running_seqs{")))
 
 
+def server_metric(url: str, name: str) -> float:
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
+
+
 def bench(args, url: str, backend: str, endpoint: str, out: Path) -> dict:
+    if args.prefix_repetition:
+        p, s, n = args.prefix_repetition.split(",")
+        dataset = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", p, "--prefix-repetition-suffix-len", s,
+                   "--prefix-repetition-num-prefixes", n, "--prefix-repetition-output-len", str(args.output_len)]
+    else:
+        dataset = ["--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)]
     cmd = [args.vllm_python, args.vllm_cli, "bench", "serve", "--backend", backend, "--base-url", url, "--endpoint", endpoint,
-           "--model", Path(args.model).name, "--tokenizer", args.model, "--dataset-name", "random",
-           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--model", Path(args.model).name, "--tokenizer", args.model, *dataset,
            "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency), "--ignore-eos",
            "--save-result", "--result-dir", str(out), "--result-filename", "result.json", "--seed", "0"]
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
@@ -73,6 +89,8 @@ def main() -> int:
                                               "async over shm against one FFN rank, the completions backend only; FFN counters from /metrics")
     ap.add_argument("--model", default=str(BUILTIN_MODEL), help="model directory (default: the built-in model)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prefix-repetition", metavar="P,S,N", help="the prefix cache instead: prefix_repetition dataset, "
+                                                                   "cache on vs off (monolithic, completions backend)")
     ap.add_argument("--json", help="write every result here")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="afd-vllm-bench-"))
@@ -81,6 +99,9 @@ def main() -> int:
     backends = (("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions"))
     if args.attention_ranks:
         servers = {f"{a}A1F-async": ["--attention-ranks", a, "--ffn-ranks", "1", *ASYNC] for a in args.attention_ranks.split(",")}
+        backends = backends[:1]
+    if args.prefix_repetition:
+        servers = {"cache on": [], "cache off": ["--no-enable-prefix-caching"]}
         backends = backends[:1]
     for name, flags in servers.items():
         with ServerProcess(args.model, "--dtype", args.dtype, *flags, env={"AFD_NUM_THREADS": "1"}) as server:
@@ -94,6 +115,7 @@ def main() -> int:
                 r["ffn"] = ffn_metrics(server.url)
                 busy = [x for x in running if x > 0]
                 r["mean_running_seqs"] = sum(busy) / len(busy) if busy else 0.0
+                r["prefix_cache"] = {k: server_metric(server.url, f"afd_prefix_cache_{k}_total") for k in ("queries", "hits")}
                 results[f"{name} {backend}"] = r
                 failed += r["failed"] if "failed" in r else args.num_prompts - r["completed"]
     print(f"\nvllm bench serve: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, concurrency {args.concurrency}")
@@ -101,6 +123,10 @@ def main() -> int:
     for name, r in results.items():
         print(f"{name:28} {r['completed']:5d} {r.get('failed', 0):6d} {r['output_throughput']:10.1f} {r['median_ttft_ms']:12.1f} "
               f"{r['median_tpot_ms']:12.1f} {r['mean_running_seqs']:12.1f}")
+    if args.prefix_repetition:
+        for name, r in results.items():
+            q, h = r["prefix_cache"]["queries"], r["prefix_cache"]["hits"]
+            print(f"{name:28} prefix cache: {h:.0f} of {q:.0f} prompt tokens hit ({h / max(1, q):.1%})")
     ffn = {name: r["ffn"] for name, r in results.items() if r["ffn"]}
     if ffn:
         print(f"\n{'server, backend':28} {'GEMM rows':>9} {'rows/batch':>10} {'parts/batch':>11} {'FFN CPU s':>9} {'CPU ms/token':>12} "

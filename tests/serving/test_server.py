@@ -211,3 +211,49 @@ def test_seeded_sampling_does_not_depend_on_the_batch(server):
 
     alone, in_crowd = asyncio.run(alone_then_crowd())
     assert in_crowd == alone
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache(server):
+    """The same ~100-token prompt four times, one after another: at least two land on one replica
+    (there are at most two), so the later one reads its prefix from the cache; text is unchanged."""
+    prompt = "ROMEO:\n" + " ".join(["But soft, what light through yonder window breaks?"] * 8)
+    before = server.metric("afd_prefix_cache_hits_total")
+    queries = server.metric("afd_prefix_cache_queries_total")
+    texts = []
+    for _ in range(4):
+        r = server.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    assert len(set(texts)) == 1, texts
+    assert server.metric("afd_prefix_cache_queries_total") - queries >= 4 * 90
+    assert server.metric("afd_prefix_cache_hits_total") - before >= 80, "no prefix cache hit"
+
+
+def test_a_prompt_goes_where_its_prefix_is_cached(server):
+    """Two replicas (2A1F): a prompt served on one replica, then that replica busy with a long stream;
+    the prompt again goes back to it (its prefix is cached there) rather than to the idle one, and hits."""
+    import threading
+
+    prompt = "KING LEAR:\n" + " ".join(["Blow, winds, and crack your cheeks! rage! blow!"] * 8)
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    assert server.post("/v1/completions", json=body).status_code == 200
+    started, stop = threading.Event(), threading.Event()
+
+    def long_stream():
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                          json={"model": MODEL_NAME, "prompt": "To be", "max_tokens": 400, "temperature": 0, "stream": True,
+                                "ignore_eos": True}) as r:
+            for _ in r.iter_lines():
+                started.set()
+                if stop.is_set():
+                    break
+
+    t = threading.Thread(target=long_stream, daemon=True)
+    t.start()
+    assert started.wait(60)
+    hits = server.metric("afd_prefix_cache_hits_total")
+    assert server.post("/v1/completions", json=body).status_code == 200
+    got = server.metric("afd_prefix_cache_hits_total") - hits
+    stop.set()
+    t.join(60)
+    assert got >= 64, f"the repeated prompt hit {got} cached tokens: it went to the replica without its prefix"
