@@ -96,9 +96,15 @@ def expand_scales(scale_inv: torch.Tensor, rows: int, cols: int, block: tuple[in
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """fp8 weight [..., R, C] and its block scales -> the real weight in ``dtype``."""
+    """fp8 weight [..., R, C] and its block scales -> the real weight in ``dtype`` (products in fp32)."""
     rows, cols = weight.shape[-2:]
-    return (weight.float() * expand_scales(scale_inv.to(weight.device), rows, cols, block)).to(dtype)
+    br, bc = block
+    scale_inv = scale_inv.to(weight.device)
+    if rows % br == 0 and cols % bc == 0 and tuple(scale_inv.shape[-2:]) == (rows // br, cols // bc):
+        # whole blocks: scale a blocked view, no per-element scale tensor
+        blocked = weight.float().unflatten(-1, (cols // bc, bc)).unflatten(-3, (rows // br, br))  # [..., nr, br, nc, bc]
+        return (blocked * scale_inv.float()[..., :, None, :, None]).flatten(-4, -3).flatten(-2, -1).to(dtype)
+    return (weight.float() * expand_scales(scale_inv, rows, cols, block)).to(dtype)
 
 
 class Fp8Linear(nn.Module):

@@ -196,3 +196,13 @@ def test_unsupported_quantisation_is_refused(fp8_case, tmp_path, config, message
     (out / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=message):
         load_model(out, dtype="float32")
+
+
+def test_whole_block_dequantisation_equals_the_reference():
+    """Shapes that are multiples of the block take a blocked-view path; it equals the test's own loop."""
+    w = torch.randn(48, 72) * 0.1
+    q, s = quantize(w)
+    assert s.shape == (4, 3)
+    torch.testing.assert_close(quant.dequantize(q, s, BLOCK, torch.float32), dequantize(q, s), rtol=0, atol=0)
+    stacked = quant.dequantize(torch.stack([q, q]), torch.stack([s, 2 * s]), BLOCK, torch.float32)
+    torch.testing.assert_close(stacked[1], 2 * dequantize(q, s), rtol=0, atol=0)
