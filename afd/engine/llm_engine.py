@@ -212,7 +212,8 @@ class LLMEngine:
                 self._score_prompt(req, item.chunk.start, hidden[row : row + item.chunk.length])
             row += item.chunk.length
             req.num_computed += item.chunk.length
-            self.blocks.commit(req.request_id, req.all_ids, req.num_computed)  # full blocks become reusable
+            if self.blocks.needs_commit(req.request_id, req.num_computed):  # full blocks become reusable
+                self.blocks.commit(req.request_id, req.all_ids, req.num_computed)
             if req.num_pending:
                 continue  # a chunk of a longer prompt: nothing to sample yet
             if req.params.max_tokens == 0:  # prompt logprobs only

@@ -170,6 +170,10 @@ class BlockManager:
         self._tables[seq_id] = list(prefix)
         self._chains[seq_id] = [self._key_of[b][0] for b in prefix]
 
+    def needs_commit(self, seq_id: int, num_computed: int) -> bool:
+        """Whether ``commit`` has a newly full block to name (cheap: the step loop asks every step)."""
+        return self.enable_caching and num_computed // self.block_size > len(self._chains.get(seq_id, ()))
+
     def commit(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         """Name ``seq_id``'s blocks that are full now (its first ``num_computed`` of ``token_ids`` are in
         the cache), so that later sequences can reuse them."""
