@@ -131,7 +131,8 @@ async def _ttft(url: str, vocab: int, length: int, beside: int) -> float:
         client.model = await _model(client)
         first: list = []
         async with _Decodes(client, vocab, beside):
-            await _stream(client, _prompt(length, vocab, 999), 1, first)
+            # a prompt of its own per scenario: the prefix cache must not serve one scenario's prompt to the next
+            await _stream(client, _prompt(length, vocab, 1000 + 7 * beside + length), 1, first)
     return first[0]
 
 

@@ -75,7 +75,9 @@ def _cluster(model_dir: Path, args, pipeline: PipelineConfig | None = None, atte
     else:
         topo = Topology(parse_devices(",".join(["cpu"] * attention_ranks)), parse_devices(",".join(["cpu"] * args.ffn_ranks)),
                         transport=args.transport)
-    engine = EngineArgs(dtype="auto", kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len))
+    # every run repeats the same prompts (the comparison needs the same work): no prefix cache to serve them
+    engine = EngineArgs(dtype="auto", kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len),
+                        enable_prefix_caching=False)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     return Cluster(model_dir, topo, engine, pipeline=pipeline or PipelineConfig()), params
 
@@ -205,7 +207,8 @@ def _run_monolithic(model_dir: Path, args, prompts) -> dict:
     from afd.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(2)
-    engine = LLMEngine.from_pretrained(model_dir, kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len))
+    engine = LLMEngine.from_pretrained(model_dir, kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len),
+                                       enable_prefix_caching=False)  # the same prompts every run, as the split runs
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(prompts, params)
     times = []

@@ -66,8 +66,9 @@ def _range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def workload(args, vocab: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(args.seed)
+def workload(args, vocab: int, run: int = 0) -> list[tuple[list[int], int]]:
+    """The requests of one run (each run its own prompts: a repeated run must not be served from the prefix cache)."""
+    rng = random.Random(args.seed + 1000 * run)
     (plo, phi), (olo, ohi) = _range(args.prompt_len), _range(args.output_len)
     return [([rng.randrange(3, vocab) for _ in range(rng.randint(plo, phi))], rng.randint(olo, ohi)) for _ in range(args.num_requests)]
 
@@ -105,7 +106,7 @@ async def _load(url: str, model: str, work, concurrency: int, rate: float | None
             async with sem:
                 return await _one(client, url, model, prompt, n)
 
-        await asyncio.gather(*(limited(p, n, 0.0) for p, n in work[:2]))  # warm-up
+        await asyncio.gather(*(limited(p[::-1], n, 0.0) for p, n in work[:2]))  # warm-up (prompts not in the run)
         delays, t = [], 0.0
         for _ in work:
             delays.append(t)
@@ -183,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="afd-bench-serve-"))
     try:
         model_dir = synthetic_checkpoint(args.synthetic_layers, tmp) if args.synthetic_layers else resolve_model(args.model)
-        work = workload(args, Tokenizer(model_dir).vocab_size)
+        vocab = Tokenizer(model_dir).vocab_size
         rows, results = [], {}
         for name, flags in ([("url", [])] if args.url else configs):
             server = None if args.url else ServerProcess(model_dir, *flags)
@@ -193,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
                     import httpx
 
                     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-                runs = [asyncio.run(_load(url, model, work, args.concurrency, args.request_rate, args.seed)) for _ in range(args.runs)]
+                runs = [asyncio.run(_load(url, model, workload(args, vocab, i), args.concurrency, args.request_rate, args.seed))
+                        for i in range(args.runs)]
                 ffn = ffn_metrics(url)
             finally:
                 if server is not None:
