@@ -274,6 +274,6 @@ def test_kimi_k2_layout_parses_as_deepseek_v3():
 
     raw = json.loads((CONFIGS / "deepseek-v3.json").read_text())
     raw.update(model_type="kimi_k2", n_routed_experts=384, n_group=1, topk_group=1, routed_scaling_factor=2.827,
-               num_attention_heads=64, first_k_dense_replace=1)
+               num_attention_heads=64, num_key_value_heads=64, first_k_dense_replace=1)
     c = parse_hf_config(raw)
     assert c.architecture == "DeepseekV3ForCausalLM" and c.moe.num_experts == 384 and c.moe.topk_method == "noaux_tc"
