@@ -101,13 +101,16 @@ def _prompt(n: int, vocab: int, salt: int) -> list[int]:
     return [(17 * i + 101 * salt) % (vocab - 3) + 3 for i in range(n)]
 
 
+DECODE_TOKENS = 4000  # each decoding stream's max_tokens: longer than any scenario, within an 8k context
+
+
 class _Decodes:
     """``n`` streams decoding until cancelled; entered once every stream has its first token. A stream
     that fails (the server died) fails the scenario; every stream is cancelled and reaped on exit."""
 
     def __init__(self, client, vocab: int, n: int, stamps: list | None = None) -> None:
         self.firsts = [[] for _ in range(n)]
-        self.tasks = [asyncio.create_task(_stream(client, _prompt(32, vocab, i), 100000, self.firsts[i], stamps)) for i in range(n)]
+        self.tasks = [asyncio.create_task(_stream(client, _prompt(32, vocab, i), DECODE_TOKENS, self.firsts[i], stamps)) for i in range(n)]
 
     async def __aenter__(self) -> "_Decodes":
         while not all(self.firsts):

@@ -118,7 +118,8 @@ def main() -> int:
                 r["prefix_cache"] = {k: server_metric(server.url, f"afd_prefix_cache_{k}_total") for k in ("queries", "hits")}
                 results[f"{name} {backend}"] = r
                 failed += r["failed"] if "failed" in r else args.num_prompts - r["completed"]
-    print(f"\nvllm bench serve: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, concurrency {args.concurrency}")
+    shape = f"prefix_repetition {args.prefix_repetition}" if args.prefix_repetition else f"{args.input_len} in"
+    print(f"\nvllm bench serve: {args.num_prompts} prompts, {shape} / {args.output_len} out, concurrency {args.concurrency}")
     print(f"{'server, backend':28} {'done':>5} {'failed':>6} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'running seqs':>12}")
     for name, r in results.items():
         print(f"{name:28} {r['completed']:5d} {r.get('failed', 0):6d} {r['output_throughput']:10.1f} {r['median_ttft_ms']:12.1f} "
