@@ -204,3 +204,19 @@ def test_choice_follows_the_costs():
     assert choose_plan([(0, 400)], 4, 4, "token", costly_calls).num_microbatches == 1
     # the request policy cannot split one request
     assert choose_plan([(0, 400)], 4, 4, "request", default).num_microbatches == 1
+
+
+def test_a_long_prefill_beside_decodes_splits_by_work_not_tokens():
+    """32 decodes at context 2000 beside a 1024-token prefill chunk: attention costs what its keys are
+    (sum over tokens of position + 1, as the paged attention computes), so the balanced cut is not the
+    token count's half, and the planner's micro-batch costs equal that sum token by token."""
+    cost = CostModel(attn_token=1.0, attn_context=0.02, ffn_token=2.0)
+    chunks = [(2000, 1)] * 32 + [(0, 1024)]
+    plan = plan_microbatches(chunks, 2, "token", cost)
+    assert plan.imbalance < 1.02
+    by_hand = [sum(cost.token_cost(p) for sp in piece for p in range(sp.start, sp.start + sp.length)) for piece in plan.pieces]
+    assert all(abs(a - b) < 1e-6 * b for a, b in zip(plan.costs, by_hand))
+    tokens = [sum(sp.length for sp in piece) for piece in plan.pieces]
+    assert sum(tokens) == 32 + 1024 and abs(tokens[0] - tokens[1]) > 50  # not the halves of the token count
+    halves = [sum(cost.token_cost(p) for p in ps) for ps in ([2000] * 32 + list(range(496)), range(496, 1024))]
+    assert max(halves) / (sum(halves) / 2) > 1.1, "a token-count split would have been balanced too: the test cannot tell"
