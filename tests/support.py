@@ -77,114 +77,38 @@ QWEN_CASES = {
 }
 
 
+#: what every tiny test model shares (decisive init: see the module docstring)
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+            max_position_embeddings=256, initializer_range=0.15, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+            num_experts_per_tok=2)
+#: DeepSeek's multi-head latent attention, small
+TINY_MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+
+
 def deepseek_config(**overrides):
     from transformers import DeepseekV2Config
 
-    base = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        first_k_dense_replace=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        n_routed_experts=8,
-        n_shared_experts=2,
-        num_experts_per_tok=2,
-        max_position_embeddings=256,
-        initializer_range=0.15,
-        bos_token_id=0,
-        eos_token_id=1,
-        tie_word_embeddings=False,
-    )
-    base.update(overrides)
-    return DeepseekV2Config(**base)
+    return DeepseekV2Config(**{**TINY, **TINY_MLA, "first_k_dense_replace": 1, "n_routed_experts": 8, "n_shared_experts": 2, **overrides})
 
 
 def qwen3_config(**overrides):
     from transformers import Qwen3MoeConfig
 
-    base = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        mlp_only_layers=[0],
-        max_position_embeddings=256,
-        initializer_range=0.15,
-        bos_token_id=0,
-        eos_token_id=1,
-        tie_word_embeddings=False,
-    )
-    base.update(overrides)
-    return Qwen3MoeConfig(**base)
+    return Qwen3MoeConfig(**{**TINY, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+                             "mlp_only_layers": [0], **overrides})
 
 
 def deepseek_v3_config(**overrides):
     from transformers import DeepseekV3Config
 
-    base = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=24,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        max_position_embeddings=256,
-        initializer_range=0.15,
-        bos_token_id=0,
-        eos_token_id=1,
-        tie_word_embeddings=False,
-    )
-    base.update(overrides)
-    return DeepseekV3Config(**base)
+    return DeepseekV3Config(**{**TINY, **TINY_MLA, "q_lora_rank": 24, "n_routed_experts": 8, "n_shared_experts": 1, **overrides})
 
 
 def glm4_moe_config(**overrides):
     from transformers import Glm4MoeConfig
 
-    base = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        first_k_dense_replace=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        max_position_embeddings=256,
-        initializer_range=0.15,
-        bos_token_id=0,
-        eos_token_id=1,
-        tie_word_embeddings=False,
-    )
-    base.update(overrides)
-    return Glm4MoeConfig(**base)
+    return Glm4MoeConfig(**{**TINY, "first_k_dense_replace": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                            "n_routed_experts": 8, "n_shared_experts": 1, "norm_topk_prob": True, **overrides})
 
 
 def build_hf_model(config, seed: int = 0):

@@ -101,13 +101,47 @@ def _rope(raw: dict[str, Any], dim: int, interleaved: bool) -> RopeConfig:
     return RopeConfig(theta=float(theta), dim=dim, interleaved=interleaved, type=rope_type, **kwargs)
 
 
+def _common(raw: dict[str, Any], eps: float = 1e-6) -> dict[str, Any]:
+    """The ModelConfig fields every family reads from the same keys."""
+    return dict(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=raw["num_attention_heads"],
+        num_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        intermediate_size=raw["intermediate_size"],
+        rms_norm_eps=raw.get("rms_norm_eps", eps),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw),
+        hidden_act=raw.get("hidden_act", "silu"),
+    )
+
+
+def _deepseek_style_moe(raw: dict[str, Any], family: str, layers: tuple[int, ...], **routing: Any) -> MoEConfig:
+    """The MoE of DeepSeek's keys (n_routed_experts, n_shared_experts, n_group, ...), which GLM shares."""
+    num_experts = raw.get("n_routed_experts") or raw.get("num_local_experts")
+    if not num_experts:
+        raise UnsupportedArchitectureError(f"{family} config without n_routed_experts is a dense model; afd serves MoE models")
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=raw["num_experts_per_tok"],
+        intermediate_size=raw["moe_intermediate_size"],
+        layers=layers,
+        num_shared_experts=raw.get("n_shared_experts") or 0,
+        num_groups=raw.get("n_group") or 1,
+        topk_groups=raw.get("topk_group") or 1,
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        **routing,
+    )
+
+
 def _parse_deepseek(raw: dict[str, Any], v3: bool) -> ModelConfig:
     num_layers = raw["num_hidden_layers"]
     first_dense = raw.get("first_k_dense_replace", 0)
     freq = raw.get("moe_layer_freq", 1)
-    num_experts = raw.get("n_routed_experts") or raw.get("num_local_experts")
-    if not num_experts:
-        raise UnsupportedArchitectureError("DeepSeek config without n_routed_experts is a dense model; afd serves MoE models")
     moe_layers = tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0)
     mla = MLAConfig(
         q_lora_rank=raw.get("q_lora_rank"),
@@ -121,37 +155,14 @@ def _parse_deepseek(raw: dict[str, Any], v3: bool) -> ModelConfig:
     else:
         routing = dict(topk_method=raw.get("topk_method") or "greedy", norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                        router_fp32=True)
-    moe = MoEConfig(
-        num_experts=num_experts,
-        top_k=raw["num_experts_per_tok"],
-        intermediate_size=raw["moe_intermediate_size"],
-        layers=moe_layers,
-        num_shared_experts=raw.get("n_shared_experts") or 0,
-        num_groups=raw.get("n_group") or 1,
-        topk_groups=raw.get("topk_group") or 1,
-        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-        **routing,
-    )
     return ModelConfig(
         architecture="DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM",
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        num_layers=num_layers,
-        num_heads=raw["num_attention_heads"],
-        num_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        **_common(raw),
         head_dim=mla.qk_head_dim,
-        intermediate_size=raw["intermediate_size"],
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
         rope=_rope(raw, mla.qk_rope_head_dim, interleaved=bool(raw.get("rope_interleave", True)) if v3 else True),
-        moe=moe,
+        moe=_deepseek_style_moe(raw, "DeepSeek", moe_layers, **routing),
         mla=mla,
         num_mtp_layers=_mtp_layers(raw) if v3 else 0,
-        attention_bias=bool(raw.get("attention_bias", False)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw),
-        hidden_act=raw.get("hidden_act", "silu"),
     )
 
 
@@ -173,67 +184,24 @@ def _parse_qwen3_moe(raw: dict[str, Any]) -> ModelConfig:
     )
     if raw.get("use_sliding_window"):
         raise UnsupportedArchitectureError("Qwen3-MoE with use_sliding_window=true is not supported")
-    return ModelConfig(
-        architecture="Qwen3MoeForCausalLM",
-        qk_norm=True,
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        num_layers=num_layers,
-        num_heads=raw["num_attention_heads"],
-        num_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
-        head_dim=head_dim,
-        intermediate_size=raw["intermediate_size"],
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        rope=_rope(raw, head_dim, interleaved=False),
-        moe=moe,
-        attention_bias=bool(raw.get("attention_bias", False)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw),
-        hidden_act=raw.get("hidden_act", "silu"),
-    )
+    return ModelConfig(architecture="Qwen3MoeForCausalLM", **_common(raw), head_dim=head_dim,
+                       rope=_rope(raw, head_dim, interleaved=False), moe=moe, qk_norm=True)
 
 
 def _parse_glm4_moe(raw: dict[str, Any]) -> ModelConfig:
     num_layers = raw["num_hidden_layers"]
-    num_experts = raw.get("n_routed_experts") or 0
-    if not num_experts:
-        raise UnsupportedArchitectureError("GLM-4 MoE config without n_routed_experts is a dense model; afd serves MoE models")
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
     params = raw.get("rope_parameters") or {}
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))
     first_dense = raw.get("first_k_dense_replace", 1)
-    moe = MoEConfig(
-        num_experts=num_experts,
-        top_k=raw["num_experts_per_tok"],
-        intermediate_size=raw["moe_intermediate_size"],
-        layers=tuple(range(first_dense, num_layers)),
-        num_shared_experts=raw.get("n_shared_experts") or 0,
-        num_groups=raw.get("n_group") or 1,
-        topk_groups=raw.get("topk_group") or 1,
-        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-        **_sigmoid_router(raw, "GLM-4 MoE"),
-    )
+    moe = _deepseek_style_moe(raw, "GLM-4 MoE", tuple(range(first_dense, num_layers)), **_sigmoid_router(raw, "GLM-4 MoE"))
     return ModelConfig(
         architecture="Glm4MoeForCausalLM",
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        num_layers=num_layers,
-        num_heads=raw["num_attention_heads"],
-        num_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        **_common(raw, eps=1e-5),
         head_dim=head_dim,
-        intermediate_size=raw["intermediate_size"],
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
         rope=_rope(raw, int(head_dim * partial), interleaved=False),
         moe=moe,
-        attention_bias=bool(raw.get("attention_bias", False)),
         qk_norm=bool(raw.get("use_qk_norm", False)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw),
-        hidden_act=raw.get("hidden_act", "silu"),
         num_mtp_layers=_mtp_layers(raw),
     )
 
