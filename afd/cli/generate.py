@@ -54,17 +54,14 @@ def run(args: argparse.Namespace) -> int:
     topology = topology_from_args(args, load_model_config(model_dir).moe.num_experts)
     if topology is None and args.trace:
         raise ValueError("--trace records the disaggregated runtime: add topology flags (e.g. --attention-ranks 1 --ffn-ranks 1)")
-    if topology is None:
+    if topology is None:  # the same front end as a server's, over the engine on a thread of this process
+        from afd.serving.frontend import LocalReplicas, run_offline
+
         engine = monolithic_engine(args, model_dir)
         log.info("monolithic: model %s (%s), dtype %s, %s", model_dir, engine.model.config.architecture, engine.config.dtype, engine.config.cache)
-        if args.capture:
-            from afd.obs.capture import CaptureStore
-
-            engine.capture = CaptureStore()
-        outputs = engine.generate(args.prompt, params, progress=not args.no_progress and sys.stderr.isatty(),
-                                  tags=range(len(args.prompt)))
-        if args.capture:
-            engine.capture.save(Path(args.capture) / "monolithic.safetensors")
+        capture = str(Path(args.capture) / "monolithic.safetensors") if args.capture else None
+        outputs = run_offline(LocalReplicas(engine, capture=capture), engine.tokenizer, args.prompt, params,
+                              progress=not args.no_progress and sys.stderr.isatty())
     else:
         from afd import env
         from afd.engine.launcher import Cluster
@@ -82,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
             if args.trace:
                 for rank in range(len(cluster.attention_ranks())):
                     cluster.request(rank, ("trace", True), "trace")
-            outputs = cluster.generate(args.prompt, params, capture_dir=args.capture)
+            outputs = cluster.generate(args.prompt, params, capture_dir=args.capture,
+                                       progress=not args.no_progress and sys.stderr.isatty())
             attention_traces = {
                 r.spec.name: cluster.request(i, ("get_trace", None), "get_trace")[0]
                 for i, r in enumerate(cluster.attention_ranks())

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         replicas = _replicas(args, model_dir, topology)
         try:
             metrics = Metrics()
-            frontend = Frontend(replicas, metrics)
+            frontend = Frontend(replicas, metrics, tokenizer=tokenizer)
             metrics.bind(frontend)
             state = ServerState(frontend, metrics, tokenizer, args.served_model_name or model_dir.name, replicas.max_model_len)
         except BaseException:
@@ -54,14 +54,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _replicas(args: argparse.Namespace, model_dir, topology):
-    from afd.serving.frontend import ClusterReplicas, LocalReplicas
+    from afd.serving.frontend import ClusterReplicas, CoreReplicas
 
-    if topology is None:
-        from afd.cli.common import monolithic_engine
+    if topology is None:  # the engine in a process of its own; this one serves HTTP and works out text
+        from afd.cli.common import device_arg
+        from afd.engine.core import CoreSpec, EngineCoreProcess
 
-        engine = monolithic_engine(args, model_dir)
-        log.info("monolithic: %s, %s", model_dir, engine.config.cache)
-        return LocalReplicas(engine)
+        core = EngineCoreProcess(CoreSpec(model_dir, common_engine_args(args), device_arg(args.device)))
+        print(f"afd: {core.ready.limits}", file=sys.stderr, flush=True)
+        log.info("monolithic: %s, engine core pid %d", model_dir, core.pid)
+        return CoreReplicas(core)
     cluster = _cluster(args, model_dir, topology)
     cluster.start()
     return ClusterReplicas(cluster, cluster.pipeline)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -71,7 +72,7 @@ def build_launch_order(topology: Topology, roles: tuple[Role, ...] = (Role.FFN, 
     return [(role, i) for role, i in order if role in roles]
 
 
-def _exit_reason(code: int | None) -> str:
+def exit_reason(code: int | None) -> str:
     if code is None:
         return "still running"
     if code < 0:
@@ -99,7 +100,7 @@ class _Rank:
 
 
 class Cluster:
-    """All ranks of one disaggregated run; the front end that balances requests over attention ranks."""
+    """All ranks of one disaggregated run (requests reach them through afd/serving/frontend.py)."""
 
     def __init__(
         self,
@@ -275,7 +276,7 @@ class Cluster:
             if r.sentinel is not None and r.sentinel in ready:
                 r.proc.join(1.0)  # reap it, so the exit code is known
                 r.failed = True
-                failures.append((0, f"{r.spec.name} (pid {r.proc.pid}) died: {_exit_reason(r.proc.exitcode)}", ""))
+                failures.append((0, f"{r.spec.name} (pid {r.proc.pid}) died: {exit_reason(r.proc.exitcode)}", ""))
             elif r.sentinel is None and not r.proc.is_alive():
                 r.failed = True
                 failures.append((0, f"{r.spec.name} thread ended unexpectedly", ""))
@@ -308,33 +309,29 @@ class Cluster:
         params: SamplingParams | Sequence[SamplingParams],
         pipeline: PipelineConfig | None = None,
         capture_dir: str | Path | None = None,
+        progress: bool = False,
     ) -> list[RequestOutput]:
-        """Balance prompts over the attention ranks by load (prompt tokens), run them, return in prompt order."""
-        prompts = list(prompts)
-        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        ranks = self.attention_ranks()
-        load = [0] * len(ranks)
-        assigned: list[list[int]] = [[] for _ in ranks]
-        for i, p in enumerate(prompts):
-            r = min(range(len(ranks)), key=lambda k: load[k])
-            assigned[r].append(i)
-            load[r] += len(p) + per_prompt[i].max_tokens
-        busy = {}
-        for a, (r, idx) in enumerate(zip(ranks, assigned)):
-            if idx or len(ranks) > 1:  # attention ranks step together: each takes part, with work or not
-                options = {"tags": idx}  # captures are keyed by the prompt's index in this call
-                if capture_dir is not None:
-                    options["capture"] = str(Path(capture_dir) / f"attention-rank-{a}.safetensors")
-                r.conn.send(("generate", [prompts[i] for i in idx], [per_prompt[i] for i in idx], pipeline, options))
-                busy[id(r)] = idx
-        results: dict[int, RequestOutput] = {}
-        deadline = time.monotonic() + 24 * 3600
-        while busy:
-            for r, msg in self._poll(deadline, "results"):
-                if msg[0] == "outputs" and id(r) in busy:
-                    for i, out in zip(busy.pop(id(r)), msg[1]):
-                        results[i] = out
-        return [results[i] for i in range(len(prompts))]
+        """Run prompts to completion through the serving front end (balanced as a server balances them);
+        outputs in prompt order. ``capture_dir``: each attention rank records its steps there, keyed by
+        the prompt's index."""
+        from afd.serving.frontend import ClusterReplicas, run_offline
+
+        if self.tokenizer is None and any(isinstance(p, str) for p in prompts):
+            raise ValueError(f"{self.model_dir} has no tokenizer.json: pass token ids")
+        from afd.serving.frontend import ReplicaFailed
+
+        replicas = ClusterReplicas(self, pipeline, str(capture_dir) if capture_dir is not None else None)
+        try:
+            return run_offline(replicas, self.tokenizer, prompts, params, progress=progress, shutdown=False)
+        except ReplicaFailed as e:
+            raise RankFailedError(str(e).removeprefix(f"run {self.run_id}: ")) from None
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The checkpoint's tokenizer (None without tokenizer.json: token-id prompts only)."""
+        from afd.engine.tokenizer import Tokenizer
+
+        return Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
 
     def poll(self, timeout: float) -> list[tuple[int, tuple]]:
         """Messages from the attention ranks within ``timeout`` s, as (attention rank index, message).

@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from afd.config import CacheConfig, EngineConfig, SamplingParams
+from afd.engine.detokenizer import OutputText
 from afd.engine.request import Request, RequestOutput, Status, TokenDelta
 from afd.engine.budget import engine_limits
 from afd.engine.runner import ModelRunner
@@ -53,8 +54,11 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
+        # offline the engine works out each request's text and stop strings; a server's engine core sends
+        # token ids and its front end does (afd/engine/serve_loop.py sets this False)
+        self.detokenize = tokenizer is not None
         self._ids = itertools.count()
-        self._seed_source = random.Random()
+        self._generator = make_generator(random.Random().getrandbits(63))  # the draws of requests without a seed
         self._requests: dict[int, Request] = {}
         self.capture = None  # an afd.obs.capture.CaptureStore to record the safe boundaries of every step
         self.num_steps = 0
@@ -118,9 +122,11 @@ class LLMEngine:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens does not fit the model's context of {self.max_model_len} tokens"
             )
-        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-        request = Request(next(self._ids), text, prompt_ids, params, make_generator(seed))
+        generator = make_generator(params.seed) if params.seed is not None else None  # None: the engine's stream
+        request = Request(next(self._ids), text, prompt_ids, params, generator)
         request.tag = request.request_id if tag is None else tag
+        if self.detokenize:
+            request.text = OutputText(self.tokenizer, params)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]  # the first prompt token has no context to be predicted from
         max_total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
@@ -171,7 +177,7 @@ class LLMEngine:
             done = req.status is Status.FINISHED
             first = len(req.output_ids) <= 1  # the first delta carries the prompt logprobs
             deltas.append(TokenDelta(
-                req.request_id, req.tag, token, self._new_text(req, done),
+                req.request_id, req.tag, token, req.text.piece(done) if req.text is not None else "",
                 logprob=lp.logprob if lp else None, top_logprobs=lp.top if lp else (),
                 finish_reason=req.finish_reason if done else None, num_prompt_tokens=len(req.prompt_ids),
                 stop_reason=req.stop_reason if done else None,
@@ -232,7 +238,7 @@ class LLMEngine:
         for req in reqs:
             if req.penalty is None and req.params.has_penalties:
                 req.penalty = PenaltyState.start(req.prompt_ids, req.output_ids, logits.shape[-1])
-        tokens = sample(logits, reqs, self.eos_ids)
+        tokens = sample(logits, reqs, self.eos_ids, self._generator)
         wanted = [i for i, req in enumerate(reqs) if req.params.logprobs is not None]
         lps: list[PositionLogprobs | None] = [None] * len(reqs)
         if wanted:  # raw logprobs, one batched pass
@@ -263,20 +269,6 @@ class LLMEngine:
             targets = torch.tensor(req.prompt_ids[a + 1 : b + 1], device=logits.device)
             req.prompt_logprobs.extend(logprobs_of(logits, targets, req.params.prompt_logprobs))
 
-    def _new_text(self, req: Request, done: bool) -> str:
-        """Output text not yet streamed. Until the end, hold back what may still change: an incomplete
-        UTF-8 character at the tail, and the last len(stop) - 1 characters (a stop string may be forming,
-        and is never sent unless include_stop_str_in_output)."""
-        text = req.output_text
-        if not done:
-            text = text.rstrip("\ufffd")
-            if not req.params.include_stop_str_in_output:
-                hold = max((len(s) for s in req.params.stop), default=1) - 1
-                text = text[: max(0, len(text) - hold)]
-        piece = text[req.text_sent :]
-        req.text_sent = max(req.text_sent, len(text))
-        return piece
-
     def _record(self, batch, values: dict) -> None:
         from afd.obs.capture import BOUNDARIES
 
@@ -291,33 +283,22 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, token: int) -> str | None:
         """Why ``req`` ends with ``token``, if it does (vLLM's rules): nothing but the length before
-        ``min_tokens``; EOS (unless ignore_eos) or a stop token, whose text is left out unless
-        include_stop_str_in_output; a stop string, cut from the text (or kept up to its end)."""
+        ``min_tokens``; EOS (unless ignore_eos) or a stop token; a stop string (afd/engine/detokenizer.py,
+        when this engine detokenizes; else the front end's)."""
         p = req.params
         if len(req.output_ids) > p.min_tokens:
             stop_token = token in p.stop_token_ids
             if stop_token or (token in self.eos_ids and not p.ignore_eos):
-                if p.include_stop_str_in_output:
-                    self._update_text(req)
+                if req.text is not None:
+                    req.text.add(token, ends_by_token=True)
                 req.stop_reason = token if stop_token else None
                 return "stop"
-        checked = len(req.decoded.text)  # text up to here is final and was searched for stop strings
-        self._update_text(req)
-        if p.stop and len(req.output_ids) > p.min_tokens:
-            start = max(0, checked - max(len(s) for s in p.stop) + 1)  # a stop string may straddle it
-            hits = [(i, s) for i, s in ((req.output_text.find(s, start), s) for s in p.stop) if i >= 0]
-            if hits:
-                at, s = min(hits)
-                req.output_text = req.output_text[: at + len(s) if p.include_stop_str_in_output else at]
-                req.stop_reason = s
-                return "stop"
+        if req.text is not None and (hit := req.text.add(token)) is not None:
+            req.stop_reason = hit
+            return "stop"
         if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
-
-    def _update_text(self, req: Request) -> None:
-        if self.tokenizer is not None:
-            req.output_text = self.tokenizer.decode_more(req.output_ids, req.decoded, req.params.skip_special_tokens)
 
     def _output(self, req: Request) -> RequestOutput:
         self._requests.pop(req.request_id, None)

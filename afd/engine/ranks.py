@@ -172,25 +172,12 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
     try:
         while True:
             cmd = conn.recv()
-            if cmd[0] == "generate":
-                _, prompts, params, pipeline, options = cmd
-                runner.pipeline = pipeline or spec.pipeline  # a per-step setting, not a launch property
-                if options.get("capture"):
-                    from afd.obs.capture import CaptureStore
-
-                    engine.capture = CaptureStore()
-                if plane is not None:  # every attention rank got this command: each joins the wave itself
-                    plane.join_wave(plane.waves_done)
-                outputs = engine.generate(prompts, params, tags=options.get("tags"))
-                if engine.capture is not None:
-                    engine.capture.save(options["capture"])
-                    engine.capture = None
-                conn.send(("outputs", outputs))
-            elif cmd[0] == "serve":  # online serving until ("stop",); see afd.engine.serve_loop
+            if cmd[0] == "serve":  # ("serve", pipeline, options): requests until ("stop",); see afd.engine.serve_loop
                 from afd.engine.serve_loop import serve_requests
 
                 runner.pipeline = cmd[1] or spec.pipeline
-                serve_requests(engine, conn, lambda: _link_stats(mailbox, endpoint))
+                options = cmd[2] if len(cmd) > 2 else {}
+                serve_requests(engine, conn, lambda: _link_stats(mailbox, endpoint), capture=options.get("capture"))
             elif cmd[0] == "pipeline":
                 runner.pipeline = cmd[1]
                 conn.send(("pipeline", cmd[1]))

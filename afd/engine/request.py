@@ -9,7 +9,7 @@ import torch
 
 from afd.config import SamplingParams
 from afd.engine.sampling import PenaltyState, PositionLogprobs
-from afd.engine.tokenizer import DecodeState
+from afd.engine.detokenizer import OutputText
 
 
 class Status(enum.Enum):
@@ -24,19 +24,21 @@ class Request:
     prompt: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    generator: torch.Generator | None  # its own random stream when it has a seed (None: the engine's)
     output_ids: list[int] = field(default_factory=list)
-    output_text: str = ""
     num_computed: int = 0  # tokens whose KV is in the cache
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     tag: int = -1  # the caller's name for it (captures are keyed by it); defaults to request_id
-    text_sent: int = 0  # characters of output_text already streamed (see LLMEngine.step_deltas)
-    decoded: DecodeState = field(default_factory=DecodeState)  # incremental detokenization of output_ids
+    text: OutputText | None = None  # its output text, when the engine detokenizes (offline; a server's front end does)
     penalty: PenaltyState | None = None  # token counts, for requests with penalties (from their first sample)
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token (the first: None), when asked
+
+    @property
+    def output_text(self) -> str:
+        return self.text.text if self.text is not None else ""
 
     @property
     def all_ids(self) -> list[int]:

@@ -1,6 +1,7 @@
 """Sampling with vLLM's definitions: everything before the draw is one batched pass over the step's
-logits ``[S, V]``; only the draw itself is per request, each from its own random stream, so a seeded
-request samples the same tokens whatever else is in its batch.
+logits ``[S, V]``. The draw is one batched call for the requests without a seed (from the engine's
+stream), and per request for those with one, each from its own stream, so a seeded request samples
+the same tokens whatever else is in its batch.
 
 Before the draw, in vLLM's order:
 
@@ -67,7 +68,7 @@ class SamplingRow(Protocol):
     """One request's view for sampling (an :class:`afd.engine.request.Request` is one)."""
 
     params: SamplingParams
-    generator: torch.Generator
+    generator: torch.Generator | None  # its own stream when it has a seed; None: the engine's
     output_ids: list[int]
     penalty: PenaltyState | None
 
@@ -181,21 +182,23 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: f
     return x
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: frozenset[int]) -> list[int]:
-    """logits [S, V] fp32 (one row per request, in ``rows`` order) -> one token id per request."""
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: frozenset[int], shared: torch.Generator | None = None) -> list[int]:
+    """logits [S, V] fp32 (one row per request, in ``rows`` order) -> one token id per request. Rows
+    without a generator of their own draw together from ``shared``."""
     x = process_logits(logits, rows, eos_ids)
     tokens = x.argmax(-1).tolist()
     sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if sampled:
-        kept = x[_rows(sampled, x.device)]
-        probs = kept.softmax(-1).cpu()
-        filtered = (torch.isinf(kept).any(-1)).tolist()  # rows that top-k/top-p/min_p/masks cut down
-        for j, i in enumerate(sampled):  # the draw: each request's own stream
-            if filtered[j]:  # over the row's support only: far fewer draws than V
+        probs = x[_rows(sampled, x.device)].softmax(-1).cpu()
+        together = [j for j, i in enumerate(sampled) if rows[i].generator is None]
+        if together:  # one draw for every row on the engine's stream
+            drawn = torch.multinomial(probs[together], 1, generator=shared).squeeze(1).tolist()
+            for j, token in zip(together, drawn):
+                tokens[sampled[j]] = token
+        for j, i in enumerate(sampled):  # each seeded request from its own stream, over the row's support only
+            if rows[i].generator is not None:
                 support = probs[j].nonzero().squeeze(1)
                 tokens[i] = int(support[torch.multinomial(probs[j, support], 1, generator=rows[i].generator)])
-            else:
-                tokens[i] = int(torch.multinomial(probs[j], 1, generator=rows[i].generator))
     return tokens
 
 

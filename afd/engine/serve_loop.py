@@ -6,6 +6,7 @@ pipe), so the front end talks to every replica the same way.
 
 Commands (front end -> replica):
     ("add", rid, prompt_ids, SamplingParams)   rid: the front end's request id
+    ("adds", [(rid, prompt_ids, SamplingParams)])  the requests the front end took in one event-loop turn
     ("abort", rid)                             the client went away: free its blocks
     ("start_wave", w)                          every attention rank joins wave w of agreed steps
     ("stop",)                                  abort everything, reply ("stopped", stats), return
@@ -31,8 +32,25 @@ from afd.engine.llm_engine import LLMEngine
 EXPERT_COUNTS_INTERVAL_S = 1.0
 
 
-def serve_requests(engine: LLMEngine, conn, extra_stats: Callable[[], dict] | None = None, idle_poll: float = 0.5) -> None:
-    """Serve until ("stop",). Exceptions propagate: the caller reports them (the replica has failed)."""
+def serve_requests(engine: LLMEngine, conn, extra_stats: Callable[[], dict] | None = None, idle_poll: float = 0.5,
+                   capture: str | None = None) -> None:
+    """Serve until ("stop",). Exceptions propagate: the caller reports them (the replica has failed).
+    Deltas carry token ids, no text: the front end detokenizes and checks stop strings (and aborts a
+    request a stop string ended). ``capture``: record every step's boundaries, keyed by the front
+    end's request ids, to this file (written before "stopped" is sent)."""
+    detokenize, engine.detokenize = engine.detokenize, False
+    if capture is not None:
+        from afd.obs.capture import CaptureStore
+
+        engine.capture = CaptureStore()
+    try:
+        _serve(engine, conn, extra_stats, idle_poll, capture)
+    finally:
+        engine.detokenize = detokenize
+        engine.capture = None
+
+
+def _serve(engine: LLMEngine, conn, extra_stats: Callable[[], dict] | None, idle_poll: float, capture: str | None) -> None:
     rids: dict[int, int] = {}  # front-end id -> engine request id
     counts_sent = 0.0
     fault = env.fault()
@@ -59,12 +77,12 @@ def serve_requests(engine: LLMEngine, conn, extra_stats: Callable[[], dict] | No
             timeout = 0.0
             cmd = conn.recv()
             changed = True
-            if cmd[0] == "add":
-                _, rid, prompt_ids, params = cmd
-                try:
-                    rids[rid] = engine.add_request(prompt_ids, params, tag=rid)
-                except ValueError as e:
-                    conn.send(("rejected", rid, str(e)))
+            if cmd[0] in ("add", "adds"):
+                for rid, prompt_ids, params in (cmd[1] if cmd[0] == "adds" else [cmd[1:]]):
+                    try:
+                        rids[rid] = engine.add_request(prompt_ids, params, tag=rid)
+                    except ValueError as e:
+                        conn.send(("rejected", rid, str(e)))
             elif cmd[0] == "abort":
                 eid = rids.pop(cmd[1], None)
                 if eid is not None:
@@ -81,6 +99,8 @@ def serve_requests(engine: LLMEngine, conn, extra_stats: Callable[[], dict] | No
             asked = plane.waves_done  # work while the ranks wait: every rank must join the next wave
             conn.send(("need_wave", asked))
         if stopping and not (plane is not None and plane.in_wave):
+            if capture is not None:
+                engine.capture.save(capture)
             conn.send(("stopped", stats(with_counts=True)))
             return
         if engine.must_step() and (plane is None or plane.in_wave):

@@ -1,10 +1,13 @@
 """The serving front end: requests in, balanced over replicas by load, token deltas streamed back.
 
-A *replica* is one engine (one attention rank of a disaggregated run, or the
-monolithic engine in a thread of this process) behind the message protocol of
-:mod:`afd.engine.serve_loop`. A pump thread reads every replica's events and
-hands each delta to the asyncio stream of its request; the first replica
-failure fails every in-flight request at once and marks the front end dead.
+A *replica* is one engine behind the message protocol of :mod:`afd.engine.serve_loop`:
+one attention rank of a disaggregated run, or the monolithic engine in its engine-core
+process (afd/engine/core.py; in a thread of this process for tests and offline use).
+Engines send token ids; the front end works out each request's text and stop strings
+(afd/engine/detokenizer.py) and aborts a request a stop string ended. A pump thread
+reads every replica's events and hands each delta to the asyncio stream of its
+request; the first replica failure fails every in-flight request at once and marks
+the front end dead.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import os
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import AsyncIterator, Callable, Sequence
 
 from afd.config import PipelineConfig, SamplingParams
-from afd.engine.request import TokenDelta
+from afd.engine.detokenizer import OutputText
+from afd.engine.request import RequestOutput, TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +46,47 @@ class ServiceUnavailable(RuntimeError):
 # ----------------------------------------------------------------------------- replicas
 
 
-class LocalReplicas:
-    """A monolithic engine on a thread of this process, spoken to over an in-process pipe."""
+class CoreReplicas:
+    """A monolithic engine in its engine-core process (what ``afd serve`` runs without topology flags)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, core) -> None:
+        self.core = core
+        self.num = 1
+        self.max_model_len = core.ready.max_model_len
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        pass
+
+    def send(self, replica: int, cmd: tuple) -> None:
+        with self._lock:
+            self.core.send(cmd)
+
+    def poll(self, timeout: float) -> list[tuple[int, tuple]]:
+        from afd.engine.core import EngineCoreDied
+
+        try:
+            return [(0, msg) for msg in self.core.poll(timeout)]
+        except EngineCoreDied as e:
+            raise ReplicaFailed(str(e)) from None
+
+    def rank_info(self) -> list[dict]:
+        return [{"name": "engine core", "pid": self.core.pid}]
+
+    def ffn_stats(self) -> dict[str, dict]:
+        return {}
+
+    def close(self, timeout: float) -> None:
+        self.core.close(timeout)
+
+    stop_serving = close
+
+
+class LocalReplicas:
+    """A monolithic engine on a thread of this process, spoken to over an in-process pipe (tests, and
+    offline generation, where no HTTP server competes for the GIL)."""
+
+    def __init__(self, engine, capture: str | None = None) -> None:
         from afd.engine.serve_loop import serve_requests
 
         self.engine = engine
@@ -56,7 +98,7 @@ class LocalReplicas:
 
         def run() -> None:
             try:
-                serve_requests(engine, back)
+                serve_requests(engine, back, capture=capture)
             except BaseException as e:  # noqa: BLE001 - reported to the front end, which fails the server
                 back.send(("error", f"engine thread failed: {type(e).__name__}: {e}", traceback.format_exc()))
 
@@ -97,13 +139,16 @@ class LocalReplicas:
                 pass
             self._thread.join(timeout)
 
+    stop_serving = close  # the engine outlives its thread
+
 
 class ClusterReplicas:
     """The attention ranks of a disaggregated run (each its own engine and KV cache)."""
 
-    def __init__(self, cluster, pipeline: PipelineConfig | None = None) -> None:
+    def __init__(self, cluster, pipeline: PipelineConfig | None = None, capture_dir: str | None = None) -> None:
         self.cluster = cluster
         self.pipeline = pipeline
+        self.capture_dir = capture_dir  # each attention rank records its steps' boundaries here (afd generate --capture)
         self.num = len(cluster.attention_ranks())
         self.max_model_len = cluster.limits.max_model_len
         self.router = None  # several replicas with prefix caching: send a prompt where its prefix is cached
@@ -117,7 +162,8 @@ class ClusterReplicas:
 
     def start(self) -> None:
         for i in range(self.num):
-            self.send(i, ("serve", self.pipeline))
+            options = {"capture": str(Path(self.capture_dir) / f"attention-rank-{i}.safetensors")} if self.capture_dir else {}
+            self.send(i, ("serve", self.pipeline, options))
 
     def send(self, replica: int, cmd: tuple) -> None:
         with self._lock:
@@ -149,6 +195,11 @@ class ClusterReplicas:
 
     def close(self, timeout: float) -> None:
         """Stop serving on every attention rank, then stop every rank (idempotent after a failure)."""
+        self.stop_serving(timeout)
+        self.cluster.shutdown()
+
+    def stop_serving(self, timeout: float) -> None:
+        """Every attention rank leaves its serving loop (the cluster stays up for more commands)."""
         if not self.cluster.closed:
             try:
                 for i in range(self.num):
@@ -159,7 +210,6 @@ class ClusterReplicas:
                     stopped |= {i for i, msg in self.cluster.poll(0.2) if msg[0] == "stopped"}
             except Exception as e:  # noqa: BLE001 - a rank failing while stopping: shutdown still runs
                 log.warning("while stopping: %s", e)
-        self.cluster.shutdown()
 
 
 # ----------------------------------------------------------------------------- front end
@@ -172,17 +222,20 @@ class _Stream:
     load: int
     queue: asyncio.Queue
     num_prompt_tokens: int
+    text: OutputText | None = None  # its output text, worked out here (the engine sends token ids)
     created: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
     finished: bool = False
+    stopped: bool = False  # a stop string ended it here; the engine's later tokens for it are dropped
 
 
 class Frontend:
     """Balances requests over replicas by outstanding tokens (or by cached prefix: afd/serving/routing.py)
     and streams their deltas to asyncio tasks."""
 
-    def __init__(self, replicas, metrics=None, on_failure: Callable[[str], None] | None = None) -> None:
+    def __init__(self, replicas, metrics=None, on_failure: Callable[[str], None] | None = None, tokenizer=None) -> None:
         self.replicas = replicas
+        self.tokenizer = tokenizer  # detokenizes and checks stop strings here; None: token ids only, no text
         self.metrics = metrics
         self.on_failure = on_failure
         self.failure: str | None = None
@@ -191,6 +244,7 @@ class Frontend:
         self._load = [0] * replicas.num
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count()
+        self._adds: dict[int, list[tuple]] = {}  # replica -> requests not yet sent (see _add)
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's event loop (streams live there)
         self._pump: threading.Thread | None = None
         self._stop = threading.Event()
@@ -202,12 +256,13 @@ class Frontend:
         self._pump = threading.Thread(target=self._pump_events, name="afd-frontend-pump", daemon=True)
         self._pump.start()
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Abort what is left, stop the pump, stop every replica and rank."""
+    def close(self, timeout: float = 10.0, shutdown: bool = True) -> None:
+        """Abort what is left, stop the pump, stop every replica and rank (``shutdown`` False: the
+        replicas only leave their serving loops)."""
         self._stop.set()
         if self._pump is not None:
             self._pump.join(timeout)
-        self.replicas.close(timeout)
+        (self.replicas.close if shutdown else self.replicas.stop_serving)(timeout)
 
     @property
     def num_in_flight(self) -> int:
@@ -227,14 +282,15 @@ class Frontend:
             replica = router.choose(prompt_ids, self._load)
         else:
             replica = min(range(self.replicas.num), key=lambda i: self._load[i])
-        stream = _Stream(rid, replica, len(prompt_ids) + params.max_tokens, asyncio.Queue(), len(prompt_ids))
+        text = OutputText(self.tokenizer, params) if self.tokenizer is not None else None
+        stream = _Stream(rid, replica, len(prompt_ids) + params.max_tokens, asyncio.Queue(), len(prompt_ids), text)
         self._streams[rid] = stream
         self._load[replica] += stream.load
         if self.metrics is not None:
             self.metrics.request_started(len(prompt_ids))
         outcome = "abort"  # unless it finishes, is rejected, or the engine fails
         try:
-            self.replicas.send(replica, ("add", rid, list(prompt_ids), params))
+            self._add(replica, (rid, list(prompt_ids), params))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -255,6 +311,23 @@ class Frontend:
                 if self.metrics is not None:
                     self.metrics.request_finished(outcome, stream)
 
+    def _add(self, replica: int, request: tuple) -> None:
+        """Queue a request for its replica; what arrives in one turn of the event loop goes as one message,
+        so a burst (a batch of clients, ``afd generate``'s prompts) reaches the engine before its next step."""
+        if not self._adds:
+            self.loop.call_soon(self._send_adds)
+        self._adds.setdefault(replica, []).append(request)
+
+    def _send_adds(self) -> None:
+        adds, self._adds = self._adds, {}
+        for replica, requests in adds.items():
+            live = [r for r in requests if r[0] in self._streams]  # a client may have left already
+            if live:
+                try:
+                    self.replicas.send(replica, ("adds", live))
+                except OSError as e:  # the replica is gone: the pump reports why
+                    log.warning("could not send to replica %d: %s", replica, e)
+
     # ------------------------------------------------------------------ events
     def _pump_events(self) -> None:
         while not self._stop.is_set():
@@ -272,13 +345,36 @@ class Frontend:
                 kind = msg[0]
                 if kind == "deltas":
                     self._update_stats(replica, msg[2])
-                    batch.extend((d.tag, d) for d in msg[1])
+                    for d in msg[1]:
+                        if (d := self._with_text(replica, d)) is not None:
+                            batch.append((d.tag, d))
                 elif kind == "rejected":
                     batch.append((msg[1], RequestRejected(msg[2])))
                 elif kind in ("stats", "stopped"):
                     self._update_stats(replica, msg[1])
             if batch:
                 self.loop.call_soon_threadsafe(self._put_all, batch)
+
+    def _with_text(self, replica: int, d: TokenDelta) -> TokenDelta | None:
+        """The delta with the text its token makes visible, and the end a stop string makes (then the
+        engine is told to abort the request); None for a token after that end. Pump thread."""
+        stream = self._streams.get(d.tag)
+        if stream is None or stream.text is None:
+            return d
+        if stream.stopped:
+            return None
+        reason, stop_reason = d.finish_reason, d.stop_reason
+        if d.token_id is not None:
+            # the engine core ends a request by length or by token (EOS, stop_token_ids), never by a stop string
+            hit = stream.text.add(d.token_id, ends_by_token=reason == "stop")
+            if hit is not None:
+                reason, stop_reason, stream.stopped = "stop", hit, True
+                if d.finish_reason is None:
+                    try:
+                        self.replicas.send(replica, ("abort", d.tag))
+                    except OSError:
+                        pass
+        return replace(d, text=stream.text.piece(reason is not None), finish_reason=reason, stop_reason=stop_reason)
 
     def _update_stats(self, replica: int, stats: dict) -> None:
         if "expert_tokens" not in stats:  # the per-expert counters ride along only now and then
@@ -318,3 +414,56 @@ class Frontend:
         self.loop.call_soon_threadsafe(fail_all)
         if self.on_failure is not None:
             self.on_failure(reason)
+
+
+# ----------------------------------------------------------------------------- offline
+
+
+def run_offline(replicas, tokenizer, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                progress: bool = False, shutdown: bool = True) -> list[RequestOutput]:
+    """Every prompt through a :class:`Frontend` over ``replicas`` at once, as a server would take them
+    (``afd generate``, :meth:`Cluster.generate`); outputs in prompt order. Prompt i is request i of this
+    front end (captures are keyed by it). ``shutdown`` False: the replicas outlive the call."""
+    prompts = list(prompts)
+    per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(per_prompt) != len(prompts):
+        raise ValueError(f"{len(per_prompt)} sampling params for {len(prompts)} prompts")
+    ids = []
+    for p in prompts:
+        if isinstance(p, str) and tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids")
+        ids.append(tokenizer.encode(p) if isinstance(p, str) else list(p))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(p.max_tokens for p in per_prompt), desc="generate", unit="tok", leave=False)
+
+    async def one(frontend: Frontend, i: int) -> RequestOutput:
+        tokens, text, reason = [], [], "stop"
+        async for d in frontend.generate(ids[i], per_prompt[i]):
+            if d.tag != i:
+                raise AssertionError(f"prompt {i} became request {d.tag}")
+            if d.token_id is not None:
+                tokens.append(d.token_id)
+                if bar is not None:
+                    bar.update(1)
+            text.append(d.text)
+            reason = d.finish_reason or reason
+        return RequestOutput(i, prompts[i] if isinstance(prompts[i], str) else "", ids[i], "".join(text), tokens, reason)
+
+    async def main() -> list[RequestOutput]:
+        frontend = Frontend(replicas, tokenizer=tokenizer)
+        frontend.start(asyncio.get_running_loop())
+        try:
+            return list(await asyncio.gather(*(one(frontend, i) for i in range(len(prompts)))))
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, lambda: frontend.close(shutdown=shutdown))
+            if frontend.failure is not None:
+                raise ReplicaFailed(frontend.failure)
+
+    try:
+        return asyncio.run(main())
+    finally:
+        if bar is not None:
+            bar.close()

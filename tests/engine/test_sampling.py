@@ -146,14 +146,22 @@ def test_seeded_draws_do_not_depend_on_the_batch():
     assert len(set(alone)) > 1  # it really sampled
 
 
-def test_draw_frequencies_follow_the_processed_distribution():
-    logits, rows = rows_for(["everything"], seed=2)
-    probs = process_logits(logits, rows, EOS)[0].softmax(-1)
-    n = 4000
-    counts = torch.bincount(torch.tensor([sample(logits, rows, EOS)[0] for _ in range(n)]), minlength=64).float()
-    expect = probs * n
-    assert ((counts - expect).abs() < 5 * expect.sqrt() + 5).all()
-    assert counts[probs == 0].sum() == 0
+@pytest.mark.parametrize("stream", ["own", "shared"])
+def test_draw_frequencies_follow_the_processed_distribution(stream):
+    """A seeded request draws from its own stream; requests without a seed draw in one batched call from
+    the engine's: in a batch, each row still follows its own processed distribution."""
+    logits, rows = rows_for(["everything", "top_k", "all penalties, sampled"], seed=2)
+    shared = make_generator(5)
+    if stream == "shared":
+        rows = [Row(r.params, r.prompt_ids, r.output_ids, None) for r in rows]
+    probs = process_logits(logits, rows, EOS).softmax(-1)
+    n = 3000
+    draws = torch.tensor([sample(logits, rows, EOS, shared) for _ in range(n)])  # [n, rows]
+    for i in range(len(rows)):
+        counts = torch.bincount(draws[:, i], minlength=64).float()
+        expect = probs[i] * n
+        assert ((counts - expect).abs() < 5 * expect.sqrt() + 5).all(), i
+        assert counts[probs[i] == 0].sum() == 0
 
 
 def test_logprobs_are_raw_with_rank_and_top():

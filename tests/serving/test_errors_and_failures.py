@@ -118,26 +118,31 @@ def _stream_until_done(url: str, payload: dict, out: list, t_kill: list) -> None
     out.append((outcome, time.monotonic() - t_kill[0] if t_kill else None))
 
 
+def _kill_under_load(s: Server, pid: int, streams: int = 6) -> list:
+    """SIGKILL ``pid`` once every one of ``streams`` streaming requests is producing tokens; their outcomes."""
+    results: list = []
+    t_kill: list = []
+    threads = [threading.Thread(target=_stream_until_done, args=(s.url, body(prompt=f"KING {i}:", max_tokens=1000, stream=True), results, t_kill))
+               for i in range(streams)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while s.metric("afd_generation_tokens_total", wait=0) < 5 * streams and time.monotonic() < deadline:
+        time.sleep(0.1)  # under load: every stream has produced tokens
+    t_kill.append(time.monotonic())
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(30)
+    assert len(results) == streams
+    return results
+
+
 def test_killing_an_ffn_rank_fails_in_flight_requests_and_exits_nonzero():
     s = Server(*ONE_A_ONE_F)
     try:
         ffn = s.rank_pids("ffn")
         assert len(ffn) == 1
-        results: list = []
-        t_kill: list = []
-        threads = [threading.Thread(target=_stream_until_done, args=(s.url, body(prompt=f"KING {i}:", max_tokens=1000, stream=True), results, t_kill))
-                   for i in range(6)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 30
-        while s.metric("afd_generation_tokens_total", wait=0) < 30 and time.monotonic() < deadline:
-            time.sleep(0.1)  # under load: every stream has produced tokens
-        t_kill.append(time.monotonic())
-        os.kill(ffn[0], signal.SIGKILL)
-        for t in threads:
-            t.join(30)
-        assert len(results) == 6
-        for outcome, after in results:
+        for outcome, after in _kill_under_load(s, ffn[0]):
             assert outcome.startswith("error") and "ffn rank 0" in outcome and "SIGKILL" in outcome, outcome
             assert after < 10, f"error came {after:.1f} s after the kill"
         s.proc.wait(30)
@@ -149,8 +154,26 @@ def test_killing_an_ffn_rank_fails_in_flight_requests_and_exits_nonzero():
         s.assert_nothing_left()
 
 
+def test_killing_the_engine_core_process_fails_in_flight_requests_and_exits_naming_it():
+    """A monolithic server's engine runs in a process of its own: its death is a replica's death."""
+    s = Server()
+    try:
+        core = s.rank_pids("engine core")
+        assert len(core) == 1 and core[0] != s.proc.pid
+        for outcome, after in _kill_under_load(s, core[0], streams=4):
+            assert outcome.startswith("error") and "engine core" in outcome and "SIGKILL" in outcome, outcome
+            assert after < 5, f"error came {after:.1f} s after the kill"
+        s.proc.wait(30)
+        assert s.proc.returncode not in (0, None), s.proc.returncode
+        assert "exiting after a failure" in "".join(s.stdout) and "engine core" in "".join(s.stderr + s.stdout)
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+        s.assert_nothing_left()
+
+
 def test_monolithic_engine_failure_fails_requests_and_exits_nonzero():
-    """The engine thread of a monolithic server raises (injected at its 30th step): the stream in flight
+    """The engine core of a monolithic server raises (injected at its 30th step): the stream in flight
     gets an error naming it, a request after it gets 503 or no connection, the server exits 1."""
     s = Server(env={"AFD_FAULT": "engine-step@30"})
     try:

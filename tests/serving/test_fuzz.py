@@ -34,7 +34,7 @@ def client():
 
     engine = LLMEngine.from_pretrained(BUILTIN_MODEL, dtype="float32", kv_cache_memory=32 << 20)
     metrics = Metrics()
-    frontend = Frontend(LocalReplicas(engine), metrics)
+    frontend = Frontend(LocalReplicas(engine), metrics, tokenizer=engine.tokenizer)
     metrics.bind(frontend)
     app = create_app(ServerState(frontend, metrics, engine.tokenizer, BUILTIN_MODEL.name, engine.max_model_len))
 
