@@ -133,7 +133,8 @@ def _slots(c: SeqChunk, block_size: int, begin: int, end: int) -> torch.Tensor:
 def _decode_pages(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: int, page_tokens: int, device) -> DecodePages:
     """Each decode token's context (positions 0..start) in pages of whole blocks; only the last page of a
     context is partial. Vectorized over pages: O(pages) Python, not O(context tokens)."""
-    per_page = block_size * max(1, -(-page_tokens // block_size))
+    longest = max(c.end for c in chunks)  # no page longer than the step's longest context
+    per_page = block_size * max(1, min(-(-page_tokens // block_size), -(-longest // block_size)))
     page_row, page_start, ends = [], [], []
     width = max(len(c.block_table) for c in chunks)
     tables = torch.zeros(len(chunks), width, dtype=torch.long)

@@ -18,7 +18,7 @@ from afd.config import ModelConfig
 from afd.kvcache import AttentionMetadata
 from afd.models.base import MoEModel
 from afd.models.layers import RMSNorm, RotaryEmbedding
-from afd.models.paged_attention import decode_attention, prefill_attention
+from afd.models.paged_attention import decode_attention, gather, prefill_attention
 
 
 class MLAttention(nn.Module):
@@ -60,7 +60,7 @@ class MLAttention(nn.Module):
         k_pe = rope.apply(k_pe[:, None, :], cos, sin)[:, 0]  # [T, dr]
 
         (cache,) = kv  # [slots, R + dr]: the latent and the rotated shared key of every cached token
-        cache[meta.slot_mapping] = torch.cat((latent, k_pe), dim=-1).to(cache.dtype)
+        cache.index_copy_(0, meta.slot_mapping, torch.cat((latent, k_pe), dim=-1).to(cache.dtype))
         w_kv_b = self.kv_b_proj.weight.view(nh, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         w_uk, w_uv = w_kv_b.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)  # [nh, dn, R], [nh, dv, R]
         out = x.new_empty(t, nh, mla.v_head_dim)  # [T, nh, dv]
@@ -71,7 +71,7 @@ class MLAttention(nn.Module):
             out[rows] = torch.einsum("thr,hvr->thv", out_latent, w_uv).to(out.dtype)
         for chunk in meta.prefills:
             rows = slice(chunk.row, chunk.row + chunk.length)
-            ctx = cache[chunk.slots]  # [L, R + dr]
+            ctx = gather(cache, chunk.slots)  # [L, R + dr]
             if self._absorbed_is_cheaper(chunk.length, ctx.shape[0]):
                 query = torch.cat((torch.einsum("thd,hdr->thr", q_nope[rows], w_uk), q_pe[rows]), dim=-1)  # [q, nh, R + dr]
                 out_latent = prefill_attention(query, ctx[:, None, :], ctx[:, None, : mla.kv_lora_rank], chunk.start, self.scale)

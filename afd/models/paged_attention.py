@@ -27,6 +27,12 @@ from afd.kvcache import DecodePages
 WORKSPACE_BYTES = 32 << 20
 
 
+def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``cache[slots]`` for an index tensor of any shape, by ``index_select`` (3x faster on CPU than
+    advanced indexing, which the KV reads of every step would otherwise pay)."""
+    return torch.index_select(cache, 0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, pages: DecodePages,
                      scale: float, value_dim: int | None = None) -> torch.Tensor:
     """q [D, Hq, Dk] (one query per decode token); k_cache [slots, Hk, Dk]; v_cache [slots, Hk, Dv], or
@@ -42,17 +48,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     m_all, l_all, o_all = [], [], []
     for a in range(0, pages.page_row.shape[0], step):
         rows, slots, valid = pages.page_row[a : a + step], pages.page_slots[a : a + step], pages.page_valid[a : a + step]
-        keys = k_cache[slots]  # [p, N, Hk, Dk]
-        values = keys[..., :dv] if v_cache is None else v_cache[slots]  # [p, N, Hk, Dv]
-        query = q[rows].view(-1, hk, g, dk)  # [p, Hk, G, Dk]
-        scores = torch.einsum("pkgd,pnkd->pkgn", query, keys).float() * scale  # [p, Hk, G, N]
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        keys = gather(k_cache, slots)  # [p, N, Hk, Dk]: the one copy of the context a step makes
+        values = keys[..., :dv] if v_cache is None else gather(v_cache, slots)  # [p, N, Hk, Dv]
+        if hk == 1:  # every head against one key (MLA's latent): plain batched matmuls, heads as rows
+            scores = torch.bmm(q[rows], keys[:, :, 0].transpose(1, 2)).float().mul_(scale)[:, None]  # [p, 1, G, N]
+        else:
+            scores = torch.einsum("pkgd,pnkd->pkgn", q[rows].view(-1, hk, g, dk), keys).float().mul_(scale)  # [p, Hk, G, N]
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
         m = scores.amax(-1)  # [p, Hk, G]; a page holds at least one context position
-        e = torch.exp(scores - m[..., None])
+        e = torch.exp_(scores.sub_(m[..., None]))
         l_all.append(e.sum(-1))
-        o_all.append(torch.einsum("pkgn,pnkv->pkgv", e.to(values.dtype), values).float())  # [p, Hk, G, Dv]
+        if hk == 1:
+            o_all.append(torch.bmm(e[:, 0].to(values.dtype), values[:, :, 0]).float()[:, None])  # [p, 1, G, Dv]
+        else:
+            o_all.append(torch.einsum("pkgn,pnkv->pkgv", e.to(values.dtype), values).float())  # [p, Hk, G, Dv]
         m_all.append(m)
-    m, l, o = torch.cat(m_all), torch.cat(l_all), torch.cat(o_all)
+    m, l, o = (torch.cat(x) if len(x) > 1 else x[0] for x in (m_all, l_all, o_all))
+    if m.shape[0] == num:  # one page per token (every context within a page): no merge
+        return (o / l[..., None]).view(num, hq, dv).to(q.dtype)
     # merge the pages of each token: weights exp(m_page - max_m) (exact softmax over the whole context)
     index = pages.page_row[:, None, None].expand_as(m)
     top = torch.full((num, hk, g), float("-inf"), device=q.device).scatter_reduce_(0, index, m, "amax")

@@ -11,7 +11,7 @@ from afd.config import ModelConfig
 from afd.kvcache import AttentionMetadata
 from afd.models.base import MoEModel
 from afd.models.layers import RMSNorm, RotaryEmbedding
-from afd.models.paged_attention import decode_attention, prefill_attention
+from afd.models.paged_attention import decode_attention, gather, prefill_attention
 
 
 class GQAttention(nn.Module):
@@ -48,15 +48,15 @@ class GQAttention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, d)
 
         k_cache, v_cache = kv  # [slots, nkv, d] each
-        k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
-        v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = q.new_empty(t, self.num_heads, d)
         if meta.decode is not None:
             rows = meta.decode.rows
             out[rows] = decode_attention(q[rows], k_cache, v_cache, meta.decode, self.scale)
         for chunk in meta.prefills:
             rows = slice(chunk.row, chunk.row + chunk.length)
-            out[rows] = prefill_attention(q[rows], k_cache[chunk.slots], v_cache[chunk.slots], chunk.start, self.scale)
+            out[rows] = prefill_attention(q[rows], gather(k_cache, chunk.slots), gather(v_cache, chunk.slots), chunk.start, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * d))
 
 
