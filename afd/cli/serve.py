@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import socket
 import sys
 
 from afd.cli.common import add_engine_args, add_topology_args, pipeline_from_args, resolve_model, topology_from_args
@@ -31,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from afd.models import load_model_config
     from afd.serving.frontend import Frontend
     from afd.serving.metrics import Metrics
-    from afd.serving.server import ServerState, run_server
+    from afd.serving.server import ServerState, listen, run_server
 
     model_dir = resolve_model(args.model)
     config = load_model_config(model_dir)
@@ -40,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if args.nnodes > 1 and args.node_rank > 0:
         return _serve_ffn_node(args, model_dir, topology)
     # bind before loading anything or starting a rank: a busy port fails at once, leaving nothing behind
-    with socket.create_server((args.host, args.port)) as sock:
+    with listen(args.host, args.port) as sock:
         replicas = _replicas(args, model_dir, topology)
         try:
             metrics = Metrics()

@@ -306,6 +306,24 @@ def _usage_last(body, head: dict, num_prompt: int, choices: list[_Choice]) -> di
 # ----------------------------------------------------------------------------- running
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket. Its protocol is named (IPPROTO_TCP) because asyncio turns Nagle's
+    algorithm off only on connections whose socket says so: from ``socket.create_server`` (protocol 0)
+    every stream's first chunk, written just after its headers, waited about 40 ms for the client's
+    delayed ACK (measured: TTFT 80 ms for a 36 ms first token)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def run_server(state: ServerState, sock: socket.socket, shutdown_timeout: float) -> int:
     """Serve on the bound ``sock`` until SIGTERM/SIGINT (exit 0) or a replica failure (exit 1). Prints
     the address once it listens; stops the front end (and every replica and rank) before returning."""
