@@ -7,6 +7,7 @@ ignored and logged once, the stop and usage options, and /tokenize, /detokenize,
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -131,6 +132,20 @@ def test_stop_strings_kept_or_cut_and_stop_reason(mono):
     at = full.find(stop)
     assert cut["text"] == full[:at] and kept["text"] == full[: at + len(stop)]
     assert cut["finish_reason"] == kept["finish_reason"] == "stop" and cut["stop_reason"] == stop
+
+
+def test_a_stop_string_found_by_the_front_end_ends_the_request_in_the_engine(mono):
+    """The engine core sends token ids; the front end finds the stop string and aborts the request there.
+    Without that abort the engine would go on to max_tokens (1000 tokens, seconds) after the response."""
+    full = complete(mono, prompt="ROMEO:", max_tokens=24, temperature=0, ignore_eos=True)["choices"][0]["text"]
+    stop = full[8:11]
+    out = complete(mono, prompt="ROMEO:", max_tokens=1000, temperature=0, ignore_eos=True, stop=[stop])
+    assert out["choices"][0]["text"] == full[: full.find(stop)] and out["choices"][0]["finish_reason"] == "stop"
+    assert out["usage"]["completion_tokens"] < 24  # the tokens up to the stop string, not what the engine ran past it
+    deadline = time.monotonic() + 5
+    while mono.metric("afd_running_seqs") + mono.metric("afd_queue_depth") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert mono.metric("afd_running_seqs") + mono.metric("afd_queue_depth") == 0
 
 
 def test_truncation_special_tokens_and_token_ids(mono, tok):
