@@ -8,7 +8,8 @@ attention rank is already such a process (afd/engine/ranks.py), so every server 
 one front end, and engine processes behind it.
 
 The pipe is a ``multiprocessing`` connection: a Unix socket carrying pickled tuples. A step's deltas go
-as one message. ``afd bench ipc`` measures it against the step (docs/benchmarks.md).
+as one message; a request's round trip costs about 1 ms beyond its step here (docs/benchmarks.md,
+"Serving against vLLM").
 """
 
 from __future__ import annotations
