@@ -14,20 +14,17 @@ as one message; a request's round trip costs about 1 ms beyond its step here (do
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from afd import env
 from afd.engine.launcher import exit_reason
-from afd.engine.ranks import EngineArgs
+from afd.engine.ranks import EngineArgs, die_with_parent, report_failure
 
 
 class EngineCoreDied(RuntimeError):
@@ -51,10 +48,7 @@ class CoreReady:
 def run_core(spec: CoreSpec, conn: Connection) -> None:
     """The engine-core process: load, report READY, serve until ("stop",). Errors reach the parent."""
     try:
-        try:  # die with the server, whatever kills it
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+        die_with_parent()
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s engine core %(levelname)s %(name)s: %(message)s")
         if (threads := env.num_threads()) is not None:
             import torch
@@ -71,11 +65,7 @@ def run_core(spec: CoreSpec, conn: Connection) -> None:
         conn.send(("ready", CoreReady(os.getpid(), engine.max_model_len, engine.limits.describe())))
         serve_requests(engine, conn)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the server
-        detail = "".join(traceback.format_exception_only(type(e), e)).strip()
-        try:
-            conn.send(("error", f"engine core (pid {os.getpid()}) failed: {detail}", traceback.format_exc()))
-        except Exception:
-            pass
+        report_failure(conn, "engine core", e)
         os._exit(1)
 
 

@@ -102,12 +102,26 @@ def selection_for(spec: RankSpec) -> WeightSelection:
     )
 
 
+def die_with_parent() -> None:
+    """This process dies with the one that started it, whatever kills that one (PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def report_failure(conn, who: str, e: BaseException) -> None:
+    """Tell the parent why this process fails: ("error", one line naming ``who`` and its pid, traceback)."""
+    detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+    try:
+        conn.send(("error", f"{who} (pid {os.getpid()}) failed: {detail}", traceback.format_exc()))
+    except Exception:
+        pass
+
+
 def _setup_process(spec: RankSpec, is_process: bool) -> None:
     if is_process:
-        try:  # die with the launcher, whatever kills it
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+        die_with_parent()
         logging.basicConfig(level=logging.INFO if env.io_log() else logging.WARNING, stream=sys.stderr,
                             format=f"%(asctime)s {spec.name} %(levelname)s %(name)s: %(message)s")
         cores = spec.device.cores
@@ -127,11 +141,7 @@ def run_rank(spec: RankSpec, conn, hub=None, is_process: bool = True) -> None:
         else:
             _ffn_main(spec, conn, hub)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the launcher
-        detail = "".join(traceback.format_exception_only(type(e), e)).strip()
-        try:
-            conn.send(("error", f"{spec.name} (pid {os.getpid()}) failed: {detail}", traceback.format_exc()))
-        except Exception:
-            pass
+        report_failure(conn, spec.name, e)
         if is_process:
             os._exit(1)
         raise
