@@ -120,7 +120,14 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cost-model", help="JSON of planner costs fitted by `afd bench costs` (default: built-in coefficients)")
     g.add_argument("--dense-on", choices=["attention", "ffn"], default="attention", help="where dense-layer MLPs run")
     g.add_argument("--shared-experts-on", choices=["attention", "ffn"], default="attention", help="where shared experts run")
-    g.add_argument("--placement", help="explicit expert placement, e.g. 0-3:0,4-7:1 (default: contiguous blocks)")
+    g.add_argument("--placement", help="explicit expert placement, e.g. 0-3:0,4-7:1 (default: contiguous blocks); "
+                                        "an expert listed on several ranks has a copy on each, e.g. 0-7:0,0-7:1")
+    g.add_argument("--redundant-experts", type=int, default=0, metavar="N",
+                   help="N expert copies beyond the logical experts, on other FFN ranks (N >= the routed experts: every "
+                        "expert on two ranks); an FFN rank's loss is then survived (shm transport). Default 0: fail-stop")
+    g.add_argument("--hang-timeout", type=float, default=10.0, metavar="S",
+                   help="a rank that sends nothing, not even a heartbeat, for S seconds is hung (default 10); "
+                        "a death is seen at once")
     m = p.add_argument_group("multi-node (torchrun-style; one role per host, --transport torch)")
     m.add_argument("--nnodes", type=int, default=1, help="1, or 2: node 0 runs the attention ranks, node 1 the FFN ranks")
     m.add_argument("--node-rank", type=int, default=0)
@@ -156,12 +163,25 @@ def topology_from_args(args: argparse.Namespace, num_experts: int):
         dense_on=args.dense_on,
         shared_experts_on=args.shared_experts_on,
         placement=ExpertPlacement.parse(args.placement, num_experts) if args.placement else None,
+        redundant_experts=args.redundant_experts,
     )
     if topology is not None:
         if getattr(args, "device", "cpu") != "cpu":
             raise ValueError("--device is for monolithic runs; a disaggregated run takes --attention-devices and --ffn-devices")
         validate_topology(topology, num_experts)
     return topology
+
+
+def cluster_from_args(args: argparse.Namespace, model_dir, topology, engine_args):
+    """A Cluster (not started) from the topology, pipeline, liveness and multi-node flags."""
+    from afd import env
+    from afd.engine.launcher import Cluster
+
+    if args.hang_timeout <= 0:
+        raise ValueError(f"--hang-timeout {args.hang_timeout}: give a positive number of seconds")
+    return Cluster(model_dir, topology, engine_args, io_log=env.io_log(), pipeline=pipeline_from_args(args), nnodes=args.nnodes,
+                   node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+                   link_timeout=args.hang_timeout, heartbeat_interval=min(1.0, args.hang_timeout / 4))
 
 
 def pipeline_from_args(args: argparse.Namespace):

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from afd.cli.common import add_engine_args, add_topology_args, monolithic_engine, pipeline_from_args, resolve_model, topology_from_args
+from afd.cli.common import add_engine_args, add_topology_args, cluster_from_args, monolithic_engine, resolve_model, topology_from_args
 from afd.cli.common import engine_args as common_engine_args
 from afd.config import SamplingParams
 
@@ -63,14 +63,10 @@ def run(args: argparse.Namespace) -> int:
         outputs = run_offline(LocalReplicas(engine, capture=capture), engine.tokenizer, args.prompt, params,
                               progress=not args.no_progress and sys.stderr.isatty())
     else:
-        from afd import env
-        from afd.engine.launcher import Cluster
-
-        engine_args = common_engine_args(args)
-        log.info("disaggregated: model %s, %s, %s", model_dir, topology, pipeline_from_args(args))
-        cluster = Cluster(model_dir, topology, engine_args, io_log=env.io_log(), pipeline=pipeline_from_args(args), nnodes=args.nnodes,
-                          node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
+        cluster = cluster_from_args(args, model_dir, topology, common_engine_args(args))
+        log.info("disaggregated: model %s, %s, %s", model_dir, topology, cluster.pipeline)
         print(f"afd: {cluster.describe_limits()}", file=sys.stderr, flush=True)
+        print(f"afd: {cluster.describe_redundancy()}", file=sys.stderr, flush=True)
         with cluster:
             if not cluster.attention_ranks():  # an FFN-only node of a multi-node run
                 cluster.wait_until_done()

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from afd.cli.common import add_engine_args, add_topology_args, pipeline_from_args, resolve_model, topology_from_args
+from afd.cli.common import add_engine_args, add_topology_args, cluster_from_args, resolve_model, topology_from_args
 from afd.cli.common import engine_args as common_engine_args
 
 log = logging.getLogger("afd.serve")
@@ -69,16 +69,11 @@ def _replicas(args: argparse.Namespace, model_dir, topology):
 
 
 def _cluster(args: argparse.Namespace, model_dir, topology):
-    from afd import env
-    from afd.engine.launcher import Cluster
-
-    engine_args = common_engine_args(args)
-    pipeline = pipeline_from_args(args)
-    log.info("disaggregated: %s, %s, %s", model_dir, topology, pipeline)
+    cluster = cluster_from_args(args, model_dir, topology, common_engine_args(args))
+    log.info("disaggregated: %s, %s, %s", model_dir, topology, cluster.pipeline)
     print(f"afd serve: starting {topology.num_attention_ranks} attention + {topology.num_ffn_ranks} FFN ranks ...", file=sys.stderr, flush=True)
-    cluster = Cluster(model_dir, topology, engine_args, io_log=env.io_log(), pipeline=pipeline, nnodes=args.nnodes,
-                      node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
     print(f"afd: {cluster.describe_limits()}", file=sys.stderr, flush=True)
+    print(f"afd: {cluster.describe_redundancy()}", file=sys.stderr, flush=True)
     return cluster
 
 

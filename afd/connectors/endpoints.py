@@ -6,6 +6,13 @@ every expected partial result (checked against the handle: kind, source rank,
 sequence, layer, micro-batch, row count, shapes) and adds them **in FFN-rank
 order**, never in arrival order, so the sum is the same every run.
 
+**Failover** (with redundant expert copies): an FFN rank that dies (its link closes) or hangs (silent
+past the link timeout) while work is in flight is dropped from this rank's live set. Every in-flight
+(step, layer, micro-batch) it held is sent again, whole, to the surviving copies, as a union of its
+own marked ``Op.RETRY``; results of the abandoned attempt (their header names the FFN members they
+were sent to) are dropped. The sum is over one attempt's results, so it is what a fault-free run
+computes, up to the row grouping of the expert GEMMs.
+
 Bytes per token per MoE layer (wire dtype b bytes, hidden H, top-k k, F FFN ranks):
 
 * gate on attention: for each FFN rank r owning >= 1 of the token's experts,
@@ -17,53 +24,96 @@ Bytes per token per MoE layer (wire dtype b bytes, hidden H, top-k k, F FFN rank
   otherwise routed there), plus one byte per row sent;
 * dense layer on the FFN side: ``2*H*b`` per token, to the rank of its row slice.
 
-Plus one header per message (50 bytes + 3 per tensor + 4 per dimension), and
+Plus one header per message (58 bytes + 3 per tensor + 4 per dimension), and
 one empty part per FFN rank that gets no row of a (step, layer, micro-batch).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from afd.connectors.protocol import Header, Kind, Message, Op, ProtocolError, Role, TensorName, make_message
-from afd.connectors.transport import ConnectorTimeout, Mailbox
-from afd.distributed.topology import ExpertPlacement, Topology
+from afd.connectors.transport import ConnectorTimeout, Mailbox, PeerDiedError
+from afd.distributed.placement import ExpertPlacement, alive_mask, mask_ranks
+from afd.distributed.topology import Topology
 from afd.types import Routing
+
+log = logging.getLogger(__name__)
 
 
 class RemoteError(RuntimeError):
     """An FFN rank reported an error instead of a result."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DispatchHandle:
-    """Joins a dispatch to its combine: what was sent where, for which (seq, layer, micro-batch)."""
+    """Joins a dispatch to its combine: what was sent where, for which (seq, layer, micro-batch), and what a
+    re-dispatch needs (the inputs, by reference: a sent tensor is never modified)."""
 
     seq: int
     layer: int
     microbatch: int
     num_tokens: int
-    rows: dict[int, torch.Tensor]  # FFN rank -> [n_r] row indices of the batch it received
+    rows: dict[int, torch.Tensor]  # FFN rank -> [n_r] row indices of the batch it received (non-empty parts)
     sent_at: float = 0.0  # time.perf_counter() of the dispatch
+    ffn_members: int = 0  # the FFN ranks this attempt went to (results of another attempt are stale)
+    ffn_input: torch.Tensor | None = None
+    routing: Routing | None = None
+    is_moe: bool = True
+    epoch: int = 0
+    members: int = 0
+    retries: int = 0  # times re-dispatched after an FFN rank failed
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.seq, self.layer, self.microbatch)
+
+
+@dataclass(frozen=True, slots=True)
+class FFNLoss:
+    """An FFN rank this attention rank stopped using: who, why, when, and the work it re-dispatched."""
+
+    rank: int
+    reason: str
+    at: float  # time.monotonic()
+    redispatched: int  # in-flight (seq, layer, micro-batch) units sent again to surviving copies
 
 
 class AttentionEndpoint:
-    def __init__(self, mailbox: Mailbox, topology: Topology, placement: ExpertPlacement, timeout: float = 60.0) -> None:
+    """``failover`` (default: when the placement has redundant copies): an FFN rank that dies or hangs is
+    dropped -- its in-flight work is re-dispatched, whole and marked ``Op.RETRY``, to the surviving copies,
+    and later work goes to them -- instead of failing the run. Without a surviving copy of every expert the
+    error names the experts lost."""
+
+    def __init__(self, mailbox: Mailbox, topology: Topology, placement: ExpertPlacement, timeout: float = 60.0,
+                 failover: bool | None = None) -> None:
         self.mailbox = mailbox
         self.topology = topology
+        self.placement = placement
         self.rank = mailbox.index
         self.device = mailbox.device  # the rank's compute device: results arrive here
-        self.owner = torch.tensor(placement.expert_to_rank, dtype=torch.long, device=self.device)  # [E] expert -> FFN rank
+        self.alive = list(range(topology.num_ffn_ranks))  # FFN ranks in use, ascending
+        self._table = placement.copy_table(self.alive, self.device)
+        self.failover = placement.redundant > 0 if failover is None else failover
         self.timeout = timeout
         # several dispatches may be in flight (async micro-batches): results are matched by key
         self._handles: dict[tuple[int, int, int], DispatchHandle] = {}
         self._stash: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
+        self._superseded: dict[tuple[int, int, int], set[int]] = {}  # key -> FFN-member masks of abandoned attempts
         self.round_trips = 0  # combines completed
         self.round_trip_s = 0.0  # their summed dispatch -> combine-complete time
         self.wait_s = 0.0  # of which this side was blocked in combine
+        self.losses: list[FFNLoss] = []
+        self.stale_results = 0  # results of abandoned attempts, dropped
+        self.on_ffn_lost = None  # called with the FFNLoss (an attention rank tells its launcher)
+
+    @property
+    def ffn_members(self) -> int:
+        return alive_mask(self.alive)
 
     def dispatch(
         self,
@@ -77,80 +127,139 @@ class AttentionEndpoint:
         members: int = 0,
     ) -> DispatchHandle:
         """Send one (step, layer, micro-batch) part of ``ffn_input [T, H]`` (and, with the gate on
-        attention, ``routing``) to **every** FFN rank: each computes the union of every contributor's
+        attention, ``routing``) to **every** live FFN rank: each computes the union of every contributor's
         part, so one with no rows for a rank sends it an empty part (T may be 0). ``members`` is the
         bitmask of the step's contributors (default: this rank alone), ``epoch`` the membership epoch.
 
-        Who computes what: routed experts where they are placed (gate on attention: only the rows that
-        chose them, with the ids of other ranks' experts set to -1; gate on FFN: every row to every rank,
-        which routes); shared experts and dense layers placed on the FFN side are replicated on every
-        FFN rank and split by rows, rank r taking the r-th contiguous slice (``SHARED_ROWS`` marks it)."""
-        t = self.topology
-        num_ffn = t.num_ffn_ranks
-        num_tokens = ffn_input.shape[0]
-        all_rows = torch.arange(num_tokens, device=ffn_input.device)
-        shared = is_moe and t.shared_experts_on == "ffn"
-        bounds = [num_tokens * r // num_ffn for r in range(num_ffn + 1)]  # row slice r: [bounds[r], bounds[r+1])
-        in_slice = torch.zeros(num_tokens, dtype=torch.bool, device=ffn_input.device)
-        plan: dict[int, tuple[torch.Tensor, Op, dict[TensorName, torch.Tensor]]] = {}
-        if not is_moe:  # a dense layer placed on the FFN side
-            for r in range(num_ffn):
-                rows = all_rows[bounds[r] : bounds[r + 1]]
-                plan[r] = (rows, Op.DENSE, {TensorName.HIDDEN: ffn_input[rows] if num_ffn > 1 else ffn_input})
-        else:
-            # [T, k] FFN rank of each selected expert; with one FFN rank it owns them all (no lookup)
-            owner = self.owner[routing.topk_ids] if routing is not None and num_ffn > 1 else None
-            for r in range(num_ffn):
-                mask = in_slice
-                if shared:
-                    mask = in_slice.clone()
-                    mask[bounds[r] : bounds[r + 1]] = True
-                tensors: dict[TensorName, torch.Tensor] = {}
-                if t.gate == "ffn":
-                    rows, ops = all_rows, Op.ROUTE | Op.ROUTED
-                else:
-                    ids = routing.topk_ids
-                    if owner is None:
-                        rows = all_rows
-                    else:
-                        mine = owner == r  # [T, k]
-                        rows = (mine.any(dim=1) | mask).nonzero().flatten()
-                        ids = torch.where(mine, ids, -1)
-                    whole = len(rows) == num_tokens  # the whole batch, in order: sent as it is, no gathers
-                    tensors[TensorName.EXPERT_IDS] = (ids if whole else ids[rows]).to(torch.int32)
-                    tensors[TensorName.WEIGHTS] = (routing.topk_weights if whole else routing.topk_weights[rows]).float()
-                    ops = Op.ROUTED
-                whole = len(rows) == num_tokens
-                tensors[TensorName.HIDDEN] = ffn_input if whole else ffn_input[rows]
-                if shared:
-                    tensors[TensorName.SHARED_ROWS] = (mask if whole else mask[rows]).to(torch.uint8)
-                    ops |= Op.SHARED
-                plan[r] = (rows, ops, tensors)
-        # results come back only for non-empty parts
-        handle = DispatchHandle(seq, layer, microbatch, num_tokens, {r: rows for r, (rows, _, _) in plan.items() if len(rows)},
-                                time.perf_counter())
+        Who computes what: routed experts where their chosen copy is (afd/distributed/placement.py; gate
+        on attention: only the rows that chose them, with the ids of other ranks' slots set to -1; gate on
+        FFN: every row to every rank, which routes and keeps its own slots); shared experts and dense
+        layers placed on the FFN side are replicated on every FFN rank and split by rows, live rank i
+        taking the i-th contiguous slice (``SHARED_ROWS`` marks it)."""
         key = (seq, layer, microbatch)
         if key in self._handles:
             raise ProtocolError(f"{self.mailbox.name}: dispatch of (seq {seq}, layer {layer}, micro-batch {microbatch}) twice")
+        handle = DispatchHandle(seq, layer, microbatch, ffn_input.shape[0], {}, ffn_input=ffn_input, routing=routing, is_moe=is_moe,
+                                epoch=epoch, members=members or 1 << self.rank)
         self._handles[key] = handle
         self._stash[key] = {}
-        members = members or 1 << self.rank
-        for r, (rows, ops, tensors) in plan.items():
-            header = Header(Kind.WORK, Role.ATTENTION, self.rank, r, layer, microbatch, seq, len(rows), ops, (),
-                            epoch=epoch, members=members)
-            self.mailbox.send(r, make_message(header, tensors))
+        self._send(handle, retry=False)
         return handle
+
+    def _plan(self, handle: DispatchHandle) -> dict[int, tuple[torch.Tensor, Op, dict[TensorName, torch.Tensor]]]:
+        """FFN rank -> (rows, ops, tensors) of one attempt, over the live ranks."""
+        t, alive = self.topology, self.alive
+        ffn_input, routing = handle.ffn_input, handle.routing
+        num_ffn = len(alive)
+        num_tokens = ffn_input.shape[0]
+        all_rows = torch.arange(num_tokens, device=ffn_input.device)
+        shared = handle.is_moe and t.shared_experts_on == "ffn"
+        bounds = [num_tokens * i // num_ffn for i in range(num_ffn + 1)]  # row slice i: [bounds[i], bounds[i+1])
+        in_slice = torch.zeros(num_tokens, dtype=torch.bool, device=ffn_input.device)
+        plan: dict[int, tuple[torch.Tensor, Op, dict[TensorName, torch.Tensor]]] = {}
+        if not handle.is_moe:  # a dense layer placed on the FFN side
+            for i, r in enumerate(alive):
+                rows = all_rows[bounds[i] : bounds[i + 1]]
+                plan[r] = (rows, Op.DENSE, {TensorName.HIDDEN: ffn_input[rows] if num_ffn > 1 else ffn_input})
+            return plan
+        # [T, k] FFN rank computing each selected slot; with one FFN rank it computes them all (no lookup)
+        owner = None
+        if routing is not None and num_ffn > 1:
+            owner = self._table.owner(routing.topk_ids, all_rows + self.rank)
+        for i, r in enumerate(alive):
+            mask = in_slice
+            if shared:
+                mask = in_slice.clone()
+                mask[bounds[i] : bounds[i + 1]] = True
+            tensors: dict[TensorName, torch.Tensor] = {}
+            if t.gate == "ffn":
+                rows, ops = all_rows, Op.ROUTE | Op.ROUTED
+            else:
+                ids = routing.topk_ids
+                if owner is None:
+                    rows = all_rows
+                else:
+                    mine = owner == r  # [T, k]
+                    rows = (mine.any(dim=1) | mask).nonzero().flatten()
+                    ids = torch.where(mine, ids, -1)
+                whole = len(rows) == num_tokens  # the whole batch, in order: sent as it is, no gathers
+                tensors[TensorName.EXPERT_IDS] = (ids if whole else ids[rows]).to(torch.int32)
+                tensors[TensorName.WEIGHTS] = (routing.topk_weights if whole else routing.topk_weights[rows]).float()
+                ops = Op.ROUTED
+            whole = len(rows) == num_tokens
+            tensors[TensorName.HIDDEN] = ffn_input if whole else ffn_input[rows]
+            if shared:
+                tensors[TensorName.SHARED_ROWS] = (mask if whole else mask[rows]).to(torch.uint8)
+                ops |= Op.SHARED
+            plan[r] = (rows, ops, tensors)
+        return plan
+
+    def _send(self, handle: DispatchHandle, retry: bool) -> None:
+        """Send one attempt. A first attempt goes to every live rank (empty parts complete the unions); a
+        retry only to the ranks with rows, as a union of its own (contributors: this rank alone)."""
+        plan = self._plan(handle)
+        handle.rows = {r: rows for r, (rows, _, _) in plan.items() if len(rows)}  # results come back only for these
+        handle.ffn_members = self.ffn_members
+        handle.sent_at = time.perf_counter()
+        members = 1 << self.rank if retry else handle.members
+        lost: list[PeerDiedError] = []
+        for r, (rows, ops, tensors) in plan.items():
+            if retry and not len(rows):
+                continue
+            header = Header(Kind.WORK, Role.ATTENTION, self.rank, r, handle.layer, handle.microbatch, handle.seq, len(rows),
+                            ops | Op.RETRY if retry else ops, (), epoch=handle.epoch, members=members, ffn_members=handle.ffn_members)
+            try:
+                self.mailbox.send(r, make_message(header, tensors))
+            except PeerDiedError as e:  # keep sending: the other ranks' unions need this rank's part
+                lost.append(e)
+        for e in lost:
+            self._lose(e)
+
+    def _lose(self, error: PeerDiedError) -> None:
+        """Stop using a dead or hung FFN rank and re-dispatch the in-flight work it held; re-raise without failover."""
+        r = error.peer
+        if r is None or not self.failover:
+            raise error
+        if r not in self.alive:
+            return
+        alive = [a for a in self.alive if a != r]
+        try:
+            table = self.placement.copy_table(alive, self.device)
+        except ValueError as e:
+            raise PeerDiedError(f"{error}; {e}", peer=r) from None
+        self.alive, self._table = alive, table
+        self.mailbox.forget(r)  # its link closing or its late messages are not news any more
+        redo = [h for h in self._handles.values() if r in h.rows and r not in self._stash[h.key]]
+        loss = FFNLoss(r, str(error), time.monotonic(), len(redo))
+        self.losses.append(loss)
+        log.warning("%s: lost %s (%s); re-dispatching %d in-flight units to FFN ranks %s", self.mailbox.name,
+                    self.mailbox.peer_name(r), error, len(redo), alive)
+        if self.on_ffn_lost is not None:
+            self.on_ffn_lost(loss)
+        for h in redo:
+            if r not in h.rows:  # already re-sent by a nested loss
+                continue
+            self._superseded.setdefault(h.key, set()).add(h.ffn_members)
+            if len(self._superseded) > 4096:
+                del self._superseded[next(iter(self._superseded))]
+            self._stash[h.key].clear()
+            h.retries += 1
+            self._send(h, retry=True)
 
     @property
     def num_in_flight(self) -> int:
         return len(self._handles)
 
+    @property
+    def num_retried(self) -> int:
+        return sum(loss.redispatched for loss in self.losses)
+
     def combine(self, handle: DispatchHandle, hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
         """Receive every partial result of ``handle``; return their sum [T, H], added in FFN-rank order.
 
-        Results of other in-flight dispatches that arrive meanwhile are kept for their own combine.
-        """
-        key = (handle.seq, handle.layer, handle.microbatch)
+        Results of other in-flight dispatches that arrive meanwhile are kept for their own combine. An FFN
+        rank that dies, or sends nothing for the link timeout, while this waits: see ``failover``."""
+        key = handle.key
         if self._handles.get(key) is not handle:
             raise ProtocolError(f"{self.mailbox.name}: combine of a handle that is not in flight: {key}")
         partial = self._stash[key]
@@ -159,10 +268,14 @@ class AttentionEndpoint:
         me = self.mailbox.name
         while len(partial) < len(handle.rows):
             left = deadline - time.monotonic()
-            msg = self.mailbox.recv(min(left, 0.5)) if left > 0 else None
-            if msg is None and left > 0:
-                # a rank we wait on that sends nothing, not even a heartbeat, is hung
-                self.mailbox.check_silence(peers=set(handle.rows) - set(partial))
+            try:
+                msg = self.mailbox.recv(min(left, 0.5)) if left > 0 else None
+                if msg is None and left > 0:
+                    # a rank we wait on that sends nothing, not even a heartbeat, is hung
+                    self.mailbox.check_silence(peers=set(handle.rows) - set(partial))
+                    continue
+            except PeerDiedError as e:
+                self._lose(e)
                 continue
             if msg is None:
                 waiting = sorted(set(handle.rows) - set(partial))
@@ -172,6 +285,7 @@ class AttentionEndpoint:
                 )
             self._accept(msg, hidden_size)
         del self._handles[key], self._stash[key]
+        handle.ffn_input = handle.routing = None
         done = time.perf_counter()
         self.round_trips += 1
         self.round_trip_s += done - handle.sent_at
@@ -197,14 +311,18 @@ class AttentionEndpoint:
             raise ProtocolError(f"{me}: unexpected {h.kind.name} from {h.source}")
         key = (h.seq, h.layer, h.microbatch)
         handle = self._handles.get(key)
+        if h.ffn_members in self._superseded.get(key, ()) and (handle is None or h.ffn_members != handle.ffn_members):
+            self.stale_results += 1  # the answer to an attempt re-dispatched since
+            return
         if handle is None:
             raise ProtocolError(
                 f"{me}: message from {h.source} does not pair: (seq {h.seq}, layer {h.layer}, micro-batch {h.microbatch}) "
                 f"matches no dispatch in flight {sorted(self._handles)}"
             )
         r = h.src_index
-        if r not in handle.rows or r in self._stash[key]:
-            raise ProtocolError(f"{me}: unexpected result from {h.source} for layer {h.layer} seq {h.seq}")
+        if r not in handle.rows or r in self._stash[key] or h.ffn_members != handle.ffn_members:
+            raise ProtocolError(f"{me}: unexpected result from {h.source} for layer {h.layer} seq {h.seq} "
+                                f"(FFN members {mask_ranks(h.ffn_members)}, dispatched to {mask_ranks(handle.ffn_members)})")
         rows = handle.rows[r]
         out = msg.get(TensorName.OUTPUT)
         if h.num_tokens != len(rows) or tuple(out.shape) != (len(rows), hidden_size):
@@ -217,9 +335,9 @@ class AttentionEndpoint:
     def handshake(self) -> None:
         """HELLO to every FFN rank and HELLO back from each: the protocol version is checked on both sides
         (Header.unpack refuses another version, naming the sender) before any work is sent."""
-        for r in range(self.topology.num_ffn_ranks):
+        for r in self.alive:
             self.mailbox.send(r, make_message(Header(Kind.HELLO, Role.ATTENTION, self.rank, r), {}))
-        waiting = set(range(self.topology.num_ffn_ranks))
+        waiting = set(self.alive)
         deadline = time.monotonic() + self.timeout
         while waiting:
             left = deadline - time.monotonic()
@@ -230,8 +348,11 @@ class AttentionEndpoint:
             waiting.discard(msg.header.src_index)
 
     def shutdown(self) -> None:
-        for r in range(self.topology.num_ffn_ranks):
-            self.mailbox.send(r, make_message(Header(Kind.SHUTDOWN, Role.ATTENTION, self.rank, r), {}))
+        for r in self.alive:
+            try:
+                self.mailbox.send(r, make_message(Header(Kind.SHUTDOWN, Role.ATTENTION, self.rank, r), {}))
+            except PeerDiedError:  # gone meanwhile: nothing to tell it
+                pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +388,7 @@ def parse_work(msg: Message, receiver: str) -> WorkItem:
 
 def result_message(work: Header, ffn_rank: int, output: torch.Tensor) -> Message:
     header = Header(Kind.RESULT, Role.FFN, ffn_rank, work.src_index, work.layer, work.microbatch, work.seq, output.shape[0], work.ops,
-                    (), epoch=work.epoch, members=work.members)
+                    (), epoch=work.epoch, members=work.members, ffn_members=work.ffn_members)
     return make_message(header, {TensorName.OUTPUT: output})
 
 

@@ -151,14 +151,18 @@ class ShmMailbox(Mailbox):
         try:
             os.write(self._data_w[peer], b"\x01")
         except BrokenPipeError:
-            raise PeerDiedError(f"{self.name}: {self.peer_name(peer)} is gone (its end of the link closed)") from None
+            raise PeerDiedError(f"{self.name}: {self.peer_name(peer)} is gone (its end of the link closed)", peer=peer) from None
+
+    def _has_room(self, peer: int) -> bool:
+        ring = self._out[peer]
+        return ring.count(0) - ring.count(8) < ring.num_slots
 
     def _wait_space(self, peer: int, timeout: float = 60.0) -> None:
         r, _, _ = select.select([self._space_r[peer]], [], [], timeout)
         if not r:
             raise ConnectorTimeout(f"{self.name}: {self.peer_name(peer)} consumed nothing for {timeout:.0f} s (ring full)")
         if self._drain(self._space_r[peer], peer) == 0 and peer in self._connected:
-            raise PeerDiedError(f"{self.name}: {self.peer_name(peer)} is gone (its end of the link closed)")
+            raise PeerDiedError(f"{self.name}: {self.peer_name(peer)} is gone (its end of the link closed)", peer=peer)
 
     @staticmethod
     def _drain(fd: int, peer: int) -> int:
@@ -193,7 +197,7 @@ class ShmMailbox(Mailbox):
                     continue
                 if not byte:
                     if peer in self._connected:
-                        raise PeerDiedError(f"{self.name}: {self.peer_name(peer)} is gone (its end of the link closed)")
+                        raise PeerDiedError(f"{self.name}: {self.peer_name(peer)} is gone (its end of the link closed)", peer=peer)
                     time.sleep(0.001)  # its writer has not opened yet
                     continue
                 self._connected.add(peer)
@@ -201,7 +205,7 @@ class ShmMailbox(Mailbox):
                 off = ring.slot(ring.count(8))
                 hlen, plen = _FRAME.unpack_from(ring.mm, off)
                 if _FRAME.size + hlen + plen > ring.slot_bytes:
-                    raise PeerDiedError(f"{self.name}: corrupt frame from {self.peer_name(peer)} ({hlen}+{plen} bytes)")
+                    raise PeerDiedError(f"{self.name}: corrupt frame from {self.peer_name(peer)} ({hlen}+{plen} bytes)", peer=peer)
                 off += _FRAME.size
                 header = bytes(ring.mm[off : off + hlen])
                 payload = memoryview(ring.mm)[off + hlen : off + hlen + plen]

@@ -142,7 +142,7 @@ class TorchMailbox(Mailbox):
         try:
             self.socks[peer].sendall(_FRAME.pack(len(header), size) + header)
         except OSError:
-            raise PeerDiedError(f"{self.name}: {self.peer_name(peer)} is gone (control socket closed)") from None
+            raise PeerDiedError(f"{self.name}: {self.peer_name(peer)} is gone (control socket closed)", peer=peer) from None
         if size:
             # one message per frame: a lone tensor goes as it is (nobody writes to a sent tensor), several are
             # packed with one copy. Two blocking gloo sends facing each other never complete (gloo reads a

@@ -32,7 +32,11 @@ log = logging.getLogger(__name__)
 
 
 class PeerDiedError(RuntimeError):
-    """The other end of a link is gone (process exited, link closed)."""
+    """The other end of a link is gone (process exited, link closed). ``peer``: its index, where known."""
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
 
 
 class ConnectorTimeout(TimeoutError):
@@ -100,13 +104,13 @@ class Mailbox(ABC):
             for peer in range(self.num_peers):
                 if peer in self._silent_ok or now - self._last_sent.get(peer, 0.0) < interval:
                     continue
-                if only_to is not None and not only_to(peer):
-                    continue
+                if (only_to is not None and not only_to(peer)) or not self._has_room(peer):
+                    continue  # a beat never waits: a hung peer's full ring must not hold the send lock
                 try:
                     self.send(peer, Message(Header(Kind.HEARTBEAT, self.role, self.index, peer)))
                     self.stats.heartbeats_sent += 1
-                except Exception:  # the receiver side reports a dead peer; the beat just stops
-                    return
+                except Exception:  # the receiver side reports a dead peer; beats to it stop, the others go on
+                    self._silent_ok.add(peer)
 
     def check_silence(self, peers=None) -> None:
         """Raise PeerSilentError if a live peer (of ``peers``, default all) has been silent past the link timeout."""
@@ -119,7 +123,7 @@ class Mailbox(ABC):
             if peer not in self._silent_ok and now - seen > self.link_timeout:
                 raise PeerSilentError(
                     f"{self.name}: {self.peer_name(peer)} sent nothing for {now - seen:.1f} s "
-                    f"(link timeout {self.link_timeout:.1f} s): hung, or heartbeats are off"
+                    f"(link timeout {self.link_timeout:.1f} s): hung, or heartbeats are off", peer=peer
                 )
 
     def peer_name(self, peer: int) -> str:
@@ -186,6 +190,10 @@ class Mailbox(ABC):
     def _recv(self, timeout: float) -> tuple[int, bytes, bytes | memoryview | torch.Tensor] | None:
         """(peer, header bytes, payload): a buffer the transport reuses after ``_release``, or a fresh uint8 tensor."""
 
+    def _has_room(self, peer: int) -> bool:
+        """Whether a send to ``peer`` would go without waiting for the peer to read (heartbeats skip it)."""
+        return True
+
     def _release(self) -> None:
         """Give the transport's receive buffer back (after the payload was copied out)."""
 
@@ -243,7 +251,7 @@ class LoopbackMailbox(Mailbox):
 
     def _send(self, peer: int, header: bytes, payload: list[torch.Tensor]) -> None:
         if self.hub.closed.is_set():
-            raise PeerDiedError(f"{self.name}: links are closed, cannot send to {self.peer_name(peer)}")
+            raise PeerDiedError(f"{self.name}: links are closed, cannot send to {self.peer_name(peer)}", peer=peer)
         data = bytearray(b"".join(tensor_bytes(p) for p in payload))  # a copy, as a real transport makes
         self.hub.inbox(self.peer_role, peer).put((self.index, bytes(header), data))
 

@@ -1,6 +1,6 @@
 """Topology: which devices the attention and FFN ranks run on, and which FFN rank owns which expert.
 
-Pure Python. :func:`validate_topology` rejects a bad combination before any
+Pure Python (the expert placement and its copy choice: afd/distributed/placement.py). :func:`validate_topology` rejects a bad combination before any
 process starts, with a message that says what is wrong and what is allowed.
 """
 
@@ -9,13 +9,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from afd.distributed.placement import ExpertPlacement, TopologyError
+
+__all__ = ["DeviceSpec", "ExpertPlacement", "Topology", "TopologyError", "parse_device", "parse_devices", "parse_topology_args",
+           "validate_topology", "backend_for"]
+
 TRANSPORTS = ("loopback", "shm", "torch")
 GATE_PLACEMENTS = ("attention", "ffn")
 SIDES = ("attention", "ffn")
-
-
-class TopologyError(ValueError):
-    """A topology that cannot run; raised before any process starts."""
 
 
 @dataclass(frozen=True)
@@ -74,58 +75,6 @@ def parse_devices(text: str) -> tuple[DeviceSpec, ...]:
 
 
 @dataclass(frozen=True)
-class ExpertPlacement:
-    """Logical expert -> physical FFN rank (one physical copy per expert for now)."""
-
-    expert_to_rank: tuple[int, ...]
-
-    @classmethod
-    def contiguous(cls, num_experts: int, num_ffn_ranks: int) -> "ExpertPlacement":
-        """Blocks of near-equal size: ranks get ceil or floor of E/F experts, in order."""
-        if num_ffn_ranks > num_experts:
-            raise TopologyError(
-                f"{num_ffn_ranks} FFN ranks for {num_experts} experts: every FFN rank needs at least one expert; "
-                f"use at most {num_experts} FFN ranks"
-            )
-        base, extra = divmod(num_experts, num_ffn_ranks)
-        owner: list[int] = []
-        for rank in range(num_ffn_ranks):
-            owner += [rank] * (base + (rank < extra))
-        return cls(tuple(owner))
-
-    @classmethod
-    def parse(cls, text: str, num_experts: int) -> "ExpertPlacement":
-        """``"0-3:0,4-7:1"``: expert ranges to FFN ranks."""
-        owner: dict[int, int] = {}
-        for part in text.split(","):
-            ranges, sep, rank = part.partition(":")
-            if not sep or not rank.strip().isdigit():
-                raise TopologyError(f"bad placement entry {part!r}: use EXPERTS:RANK, e.g. 0-3:0")
-            for r in ranges.split("+"):
-                lo, _, hi = r.strip().partition("-")
-                if not lo.isdigit() or (hi and not hi.isdigit()):
-                    raise TopologyError(f"bad expert range {r!r} in placement")
-                for e in range(int(lo), int(hi or lo) + 1):
-                    if e in owner:
-                        raise TopologyError(f"expert {e} placed twice (on FFN ranks {owner[e]} and {rank})")
-                    owner[e] = int(rank)
-        missing = sorted(set(range(num_experts)) - set(owner))
-        extra = sorted(set(owner) - set(range(num_experts)))
-        if missing:
-            raise TopologyError(f"placement misses experts {missing}: every expert needs an FFN rank")
-        if extra:
-            raise TopologyError(f"placement names experts {extra} but the model has {num_experts}")
-        return cls(tuple(owner[e] for e in range(num_experts)))
-
-    def experts_of(self, rank: int) -> tuple[int, ...]:
-        return tuple(e for e, r in enumerate(self.expert_to_rank) if r == rank)
-
-    @property
-    def num_experts(self) -> int:
-        return len(self.expert_to_rank)
-
-
-@dataclass(frozen=True)
 class Topology:
     attention_devices: tuple[DeviceSpec, ...]
     ffn_devices: tuple[DeviceSpec, ...]
@@ -133,7 +82,8 @@ class Topology:
     gate: str = "attention"
     dense_on: str = "attention"
     shared_experts_on: str = "attention"
-    placement: ExpertPlacement | None = None  # None: contiguous blocks
+    placement: ExpertPlacement | None = None  # None: contiguous blocks (plus redundant_experts copies)
+    redundant_experts: int = 0  # physical expert copies beyond the logical experts (EPLB)
 
     @property
     def num_attention_ranks(self) -> int:
@@ -144,7 +94,7 @@ class Topology:
         return len(self.ffn_devices)
 
     def placement_for(self, num_experts: int) -> ExpertPlacement:
-        return self.placement or ExpertPlacement.contiguous(num_experts, self.num_ffn_ranks)
+        return self.placement or ExpertPlacement.contiguous(num_experts, self.num_ffn_ranks, self.redundant_experts)
 
 
 MAX_ATTENTION_RANKS = 64  # the contributor bitmask of a work header (afd/connectors/protocol.py)
@@ -175,13 +125,22 @@ def validate_topology(topology: Topology, num_experts: int) -> ExpertPlacement:
             f"{t.num_ffn_ranks} FFN ranks for a model with {num_experts} routed experts: "
             f"use at most {num_experts} FFN ranks"
         )
+    if t.redundant_experts < 0:
+        raise TopologyError(f"--redundant-experts {t.redundant_experts}: give 0 or more copies")
+    if t.redundant_experts and t.num_ffn_ranks == 1:
+        raise TopologyError("--redundant-experts needs at least 2 FFN ranks: a copy of an expert on the same rank survives nothing")
+    if t.redundant_experts and t.placement is not None:
+        raise TopologyError("give --redundant-experts or an explicit --placement (which may list an expert on several ranks), not both")
+    if t.redundant_experts > num_experts * (t.num_ffn_ranks - 1):
+        raise TopologyError(f"--redundant-experts {t.redundant_experts}: at most {num_experts * (t.num_ffn_ranks - 1)} "
+                            f"({num_experts} experts x {t.num_ffn_ranks - 1} other FFN ranks; one copy of an expert per rank)")
     placement = t.placement_for(num_experts)
     if placement.num_experts != num_experts:
         raise TopologyError(f"placement covers {placement.num_experts} experts, the model has {num_experts}")
     idle = [r for r in range(t.num_ffn_ranks) if not placement.experts_of(r)]
     if idle:
         raise TopologyError(f"FFN ranks {idle} own no expert: give every FFN rank at least one expert")
-    stray = sorted({r for r in placement.expert_to_rank if r >= t.num_ffn_ranks})
+    stray = sorted(r for r in placement.ranks if r >= t.num_ffn_ranks)
     if stray:
         raise TopologyError(f"placement names FFN ranks {stray} but only {t.num_ffn_ranks} exist")
     _check_devices(t)

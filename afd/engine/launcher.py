@@ -6,7 +6,10 @@
   it holds and the bytes it read) within ``ready_timeout``.
 * While the launcher waits for anything it also watches every rank: a rank that
   exits or reports an error fails the whole job at once, naming the rank, its
-  role and the reason, and every other rank is stopped.
+  role and the reason, and every other rank is stopped -- except an FFN rank
+  whose experts all have a copy on another live FFN rank (``--redundant-experts``,
+  shm transport): the attention ranks re-dispatch its work, the launcher logs
+  and counts the loss (and kills a rank the attention side found hung).
 * :meth:`Cluster.shutdown` is idempotent and leaves no process behind: polite
   SHUTDOWN, then SIGTERM, then SIGKILL; children also die with the launcher
   (``PR_SET_PDEATHSIG``).
@@ -91,6 +94,7 @@ class _Rank:
     ready: ReadyReport | None = None
     done: bool = False  # said bye / exited as asked
     failed: bool = False  # already reported
+    lost: bool = False  # an FFN rank the run goes on without (its experts have other copies)
     final_stats: Any = None  # what the rank said on exit (FFN: items, batches, mean expert GEMM rows)
     live_stats: Any = None  # the latest counters an FFN rank reported while serving
 
@@ -148,6 +152,7 @@ class Cluster:
         self._set_run_id = False
         self._store = None  # torch transport: the TCPStore rendezvous
         self._steps_store = None  # the step agreement's TCPStore, when no rendezvous store can hold it
+        self.ffn_losses: list[dict] = []  # every FFN rank the run went on without: rank, pid, cause, when
 
     def describe_limits(self) -> str:
         """Each attention rank's limits, and the workspace of an FFN rank's union (at most A x the token cap)."""
@@ -155,6 +160,52 @@ class Cluster:
         return (f"each attention rank: {self.limits.describe()}; an FFN union holds at most {rows} rows "
                 f"({self.topology.num_attention_ranks} x {self.limits.max_num_batched_tokens}): "
                 f"{rows * self.limits.budget.ffn_per_token >> 20} MiB of FFN temporaries")
+
+    def describe_redundancy(self) -> str:
+        """What an FFN rank's failure costs, said at start."""
+        from afd.engine.ranks import failover_enabled
+
+        p = self.placement
+        if p.redundant == 0:
+            return "no redundancy: an FFN failure stops the server (add --redundant-experts N for copies on other FFN ranks)"
+        if not failover_enabled(self.topology, p):
+            return (f"{p.redundant} redundant expert copies, but failover needs the shm transport: an FFN failure stops the "
+                    f"server on --transport {self.topology.transport}")
+        single = p.single_copy()
+        if single:
+            return (f"{p.redundant} redundant expert copies; experts {list(single)} have a single copy: losing their FFN rank "
+                    "stops the server")
+        return f"{p.redundant} redundant expert copies: every expert is on at least two FFN ranks, an FFN rank's loss is survived"
+
+    def _survivable(self, rank: _Rank) -> bool:
+        """Whether the run can go on without this FFN rank (and every FFN rank lost before it)."""
+        from afd.engine.ranks import failover_enabled
+
+        if rank.spec.role != Role.FFN or not failover_enabled(self.topology, self.placement):
+            return False
+        alive = [r.spec.index for r in self.ranks if r.spec.role == Role.FFN and not r.lost and r is not rank]
+        return bool(alive) and not self.placement.orphans(alive)
+
+    def _lose_ffn(self, rank: _Rank, cause: str) -> None:
+        rank.lost = rank.done = True
+        self.ffn_losses.append({"rank": rank.spec.index, "pid": rank.proc.pid, "cause": cause, "at": time.time()})
+        alive = [r.spec.index for r in self.ranks if r.spec.role == Role.FFN and not r.lost]
+        log.warning("run %s: %s: going on without it; its experts %s are served by their copies on FFN ranks %s", self.run_id, cause,
+                    list(self.placement.experts_of(rank.spec.index)), alive)
+
+    def _ffn_reported_lost(self, index: int, reason: str, by: _Rank) -> None:
+        """An attention rank stopped using an FFN rank (dead, or silent past the link timeout): a hung one
+        is killed, so that every attention rank sees the same loss (its links close)."""
+        rank = next(r for r in self.ranks if r.spec.role == Role.FFN and r.spec.index == index)
+        if rank.lost:
+            return
+        if rank.proc.is_alive():
+            try:
+                os.kill(rank.proc.pid, signal.SIGKILL)  # our own child, by PID
+            except ProcessLookupError:
+                pass
+            rank.proc.join(2.0)
+            self._lose_ffn(rank, f"{rank.spec.name} (pid {rank.proc.pid}) was killed: {by.spec.name} found it {reason.split(': ', 1)[-1]}")
 
     # ------------------------------------------------------------------ start
     def _slot_bytes(self) -> int:
@@ -204,7 +255,8 @@ class Cluster:
             create_links(self.run_dir, t.num_attention_ranks, t.num_ffn_ranks, link.num_slots, link.slot_bytes)
         elif t.transport == "loopback":
             self._hub = LoopbackHub()
-        log.info("run %s: %s, placement %s, run dir %s", self.run_id, t, self.placement.expert_to_rank, self.run_dir)
+        log.info("run %s: %s, placement %s, run dir %s", self.run_id, t, self.placement.describe(), self.run_dir)
+        log.warning("%s", self.describe_redundancy())
         ctx = mp.get_context("spawn")
         try:
             for role, index in build_launch_order(t, self.local_roles()):
@@ -268,6 +320,8 @@ class Cluster:
                     r.final_stats = msg[1]
                 elif msg[0] == "ffn_stats":
                     r.live_stats = msg[1]
+                elif msg[0] == "ffn_lost":
+                    self._ffn_reported_lost(msg[1], msg[2], r)
                 else:
                     got.append((r, msg))
         for r in self.ranks:
@@ -275,8 +329,12 @@ class Cluster:
                 continue
             if r.sentinel is not None and r.sentinel in ready:
                 r.proc.join(1.0)  # reap it, so the exit code is known
+                cause = f"{r.spec.name} (pid {r.proc.pid}) died: {exit_reason(r.proc.exitcode)}"
+                if self._survivable(r):
+                    self._lose_ffn(r, cause)
+                    continue
                 r.failed = True
-                failures.append((0, f"{r.spec.name} (pid {r.proc.pid}) died: {exit_reason(r.proc.exitcode)}", ""))
+                failures.append((0, cause, ""))
             elif r.sentinel is None and not r.proc.is_alive():
                 r.failed = True
                 failures.append((0, f"{r.spec.name} thread ended unexpectedly", ""))

@@ -102,6 +102,12 @@ def selection_for(spec: RankSpec) -> WeightSelection:
     )
 
 
+def failover_enabled(topology: Topology, placement: ExpertPlacement) -> bool:
+    """Whether attention ranks survive an FFN rank's loss: redundant copies, on the shm transport (a dead
+    peer of a torch.distributed group can hang its collectives; loopback ranks are threads)."""
+    return placement.redundant > 0 and topology.transport == "shm"
+
+
 def die_with_parent() -> None:
     """This process dies with the one that started it, whatever kills that one (PR_SET_PDEATHSIG)."""
     try:
@@ -161,7 +167,9 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
     fault = env.fault()
     if fault is not None and spec.index == 0 and fault[0] != "engine-step":
         mailbox.fault = fault
-    endpoint = AttentionEndpoint(mailbox, t, spec.placement, spec.link_timeout)
+    endpoint = AttentionEndpoint(mailbox, t, spec.placement, spec.link_timeout, failover=failover_enabled(t, spec.placement))
+    # a lost FFN rank is the launcher's news too: it kills a hung one and counts the loss
+    endpoint.on_ffn_lost = lambda loss: conn.send(("ffn_lost", loss.rank, loss.reason, loss.redispatched))
     endpoint.handshake()  # protocol version agreed with every FFN rank before READY
     mailbox.start_heartbeats(spec.link.heartbeat_interval, spec.link.link_timeout)
     e = spec.engine
@@ -260,7 +268,7 @@ def _ffn_main(spec: RankSpec, conn, hub) -> None:
     mailbox.jitter = env.send_jitter()
     conn.send(("ready", ready))
     try:
-        worker = FFNWorker(model, mailbox, spec.topology.num_attention_ranks)
+        worker = FFNWorker(model, mailbox, spec.topology.num_attention_ranks, placement=spec.placement)
         worker.delay = env.ffn_delay()
         # live counters for a server's /metrics: at most once a second, and only when they changed
         # (an idle run sends nothing, so nothing piles up in a pipe nobody reads)

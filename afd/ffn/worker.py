@@ -10,6 +10,10 @@ never merged with another micro-batch or layer and never waits on a timer: it is
 it is whole. Messages already waiting are drained (``recv(0.0)``) before computing, so every union
 they complete is computed in that round.
 
+Work re-dispatched after an FFN rank failed (``Op.RETRY``) is its sender's alone: it is computed as soon
+as it arrives, never merged. With redundant expert copies and the gate here, this rank keeps only the
+slots whose chosen copy is its own (afd/distributed/placement.py), under the FFN members each part names.
+
 Every part is checked before it is kept: a known layer, operations that fit that layer, per attention
 rank (step, layer, micro-batch) strictly increasing (the ping-pong schedule dispatches in that order),
 a sender among the contributors, and the same epoch, contributors and operations as the union's other
@@ -32,6 +36,7 @@ import torch
 from afd.connectors.endpoints import WorkItem, error_message, parse_work, result_message
 from afd.connectors.protocol import Header, Kind, Op, ProtocolError, Role, make_message
 from afd.connectors.transport import Mailbox
+from afd.distributed.placement import CopyTable, ExpertPlacement, mask_ranks
 from afd.models.base import MoEModel
 from afd.types import Routing
 
@@ -52,8 +57,11 @@ class _Union:
 
 
 class FFNWorker:
-    def __init__(self, model: MoEModel, mailbox: Mailbox, num_attention_ranks: int, poll_interval: float = 1.0) -> None:
+    def __init__(self, model: MoEModel, mailbox: Mailbox, num_attention_ranks: int, poll_interval: float = 1.0,
+                 placement: ExpertPlacement | None = None) -> None:
         self.model = model
+        self.placement = placement  # with redundant copies: the gate's slots this rank keeps depend on it
+        self._tables: dict[int, CopyTable] = {}  # FFN members mask -> the copy choice under it
         self.mailbox = mailbox
         self._held = torch.tensor(model.expert_ids, device=mailbox.device)  # the expert ids this rank computes
         self.num_attention_ranks = num_attention_ranks
@@ -64,6 +72,7 @@ class FFNWorker:
         self.batches = 0  # unions computed (one or more non-empty parts each)
         self.expert_gemms = 0  # expert GEMM pairs run
         self.expert_gemm_rows = 0  # rows over all of them
+        self.retries = 0  # re-dispatched parts computed (Op.RETRY)
         self.max_drain = 256
         self.delay = 0.0  # seconds slept per batch: a slow FFN side, for tests and benchmarks
         self.busy_s = 0.0  # wall time computing
@@ -122,8 +131,17 @@ class FFNWorker:
             raise ProtocolError(f"{me}: work from {h.source} asks for ops {int(h.ops)} on layer {h.layer}, which is {'an MoE' if cfg.is_moe_layer(h.layer) else 'a dense'} layer")
         if not h.members >> h.src_index & 1:
             raise ProtocolError(f"{me}: work from {h.source}, which is not among the step's contributors {_ranks(h.members)}")
+        if not h.ffn_members >> self.mailbox.index & 1:
+            raise ProtocolError(f"{me}: work from {h.source} dispatched to FFN ranks {mask_ranks(h.ffn_members)}, not to this one")
         key = (h.seq, h.layer, h.microbatch)
         last = self._last.get((h.src_index, h.epoch))
+        if Op.RETRY in h.ops:  # a re-dispatch: alone, and of work already sent (the first attempt went to every live rank)
+            if h.members != 1 << h.src_index:
+                raise ProtocolError(f"{me}: re-dispatched work from {h.source} names contributors {_ranks(h.members)}: a retry is its sender's alone")
+            if last is None or key > last:
+                raise ProtocolError(f"{me}: re-dispatched work from {h.source} for (seq {h.seq}, layer {h.layer}, micro-batch "
+                                    f"{h.microbatch}), which it never dispatched (its last: {last})")
+            return
         if last is not None and key <= last:
             raise ProtocolError(
                 f"{me}: work from {h.source} out of order: (seq {h.seq}, layer {h.layer}, micro-batch {h.microbatch}) "
@@ -135,6 +153,11 @@ class FFNWorker:
         """Keep one part; the union's key and parts when this part made it whole."""
         h = item.header
         key = (h.epoch, h.seq, h.layer, h.microbatch)
+        if Op.RETRY in h.ops:  # whole at once: its own union
+            self.retries += 1
+            self.arrivals.append((h.src_index, h.seq, h.layer, h.microbatch))
+            self.owed[h.src_index] = self.owed.get(h.src_index, 0) + 1
+            return (*key, 1 + h.src_index), _Union(h.members, h.ops, {h.src_index: item})
         union = self._unions.get(key)
         if union is None:
             union = self._unions[key] = _Union(h.members, h.ops)
@@ -211,7 +234,7 @@ class FFNWorker:
         return {"items": self.items_served, "empty_parts": self.empty_parts, "tokens": self.tokens_served, "batches": self.batches,
                 "items_per_batch": self.items_served / max(1, self.batches), "expert_gemms": self.expert_gemms,
                 "mean_gemm_rows": self.mean_gemm_rows, "busy_s": self.busy_s, "busy_cpu_s": self.busy_cpu_s,
-                "straggler_wait_s": self.straggler_wait_s, "tokens_by_rank": dict(self.tokens_by_rank),
+                "straggler_wait_s": self.straggler_wait_s, "tokens_by_rank": dict(self.tokens_by_rank), "retries": self.retries,
                 "expert_tokens": self.model.expert_token_counts()}
 
     def _serve_union(self, layer: int, union: _Union) -> None:
@@ -226,7 +249,10 @@ class FFNWorker:
             routing = Routing(torch.cat([it.routing.topk_ids for it in items]), torch.cat([it.routing.topk_weights for it in items]))
         shared = torch.cat([it.shared_rows for it in items]) if items[0].shared_rows is not None else None
         t0, c0 = time.perf_counter(), time.thread_time()
-        out = self.compute(layer, union.ops, hidden, routing, shared).to(hidden.dtype)
+        ops = union.ops
+        if Op.ROUTE in ops and self.placement is not None and self.placement.redundant:
+            routing, ops = self._own_slots(layer, hidden, items), ops & ~Op.ROUTE
+        out = self.compute(layer, ops, hidden, routing, shared).to(hidden.dtype)
         if self.delay:  # an injected slow FFN side counts as compute time
             time.sleep(self.delay)
         t1 = time.perf_counter()
@@ -244,6 +270,23 @@ class FFNWorker:
             self.items_served += 1
             self.tokens_served += n
             self.tokens_by_rank[h.src_index] = self.tokens_by_rank.get(h.src_index, 0) + n
+
+    def _own_slots(self, layer: int, hidden: torch.Tensor, items: list[WorkItem]) -> Routing:
+        """The gate here, with redundant copies: route the union, keep the slots whose chosen copy is this rank
+        (the key of a row: its index in its part plus its sender; the copies alive under the part's FFN members)."""
+        routing = self.model.router(layer, hidden)
+        owners = []
+        start = 0
+        for it in items:
+            h, n = it.header, it.hidden.shape[0]
+            table = self._tables.get(h.ffn_members)
+            if table is None:
+                table = self._tables[h.ffn_members] = self.placement.copy_table(mask_ranks(h.ffn_members), hidden.device)
+            keys = torch.arange(n, device=hidden.device) + h.src_index
+            owners.append(table.owner(routing.topk_ids[start : start + n], keys))
+            start += n
+        owner = torch.cat(owners) if len(owners) > 1 else owners[0]
+        return Routing(torch.where(owner == self.mailbox.index, routing.topk_ids, -1), routing.topk_weights)
 
     def _report(self, attention_rank: int, text: str) -> None:
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -118,9 +120,10 @@ def test_combine_equals_the_monolithic_ffn_and_bytes_match_the_formula(model, ff
 def test_canary_misrouted_tokens_fail_parity(model, ffn_models):
     """An attention side whose expert->rank map disagrees with what the FFN ranks hold must be caught."""
     endpoint, boxes, placement = harness(model)
-    wrong = endpoint.owner.clone()
+    table = endpoint._table
+    wrong = table.ranks.clone()
     wrong[[0, -1]] = wrong[[-1, 0]]  # expert 0 and the last expert sent to each other's rank
-    endpoint.owner = wrong
+    endpoint._table = dataclasses.replace(table, ranks=wrong)
     layer = model.config.moe.layers[0]
     torch.manual_seed(2)
     x = torch.randn(31, model.config.hidden_size)

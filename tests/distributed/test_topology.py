@@ -45,8 +45,8 @@ def test_explicit_placement():
     assert p.experts_of(0) == (3, 7) and p.experts_of(1) == (0, 1, 2, 4, 5, 6)
     with pytest.raises(TopologyError, match=r"misses experts \[7\]"):
         ExpertPlacement.parse("0-6:0", 8)
-    with pytest.raises(TopologyError, match="expert 3 placed twice"):
-        ExpertPlacement.parse("0-3:0,3-7:1", 8)
+    with pytest.raises(TopologyError, match="expert 3 placed twice on FFN rank 0"):
+        ExpertPlacement.parse("0-3:0,3-7:0", 8)
     with pytest.raises(TopologyError, match=r"names experts \[8\]"):
         ExpertPlacement.parse("0-8:0", 8)
 
@@ -60,7 +60,7 @@ def test_explicit_placement():
         (topo("cpu:0-1", "cpu:1", transport="shm"), "CPU core 1 .* must not overlap"),
         (topo("cpu", "cpu", transport="carrier-pigeon"), "--transport 'carrier-pigeon' is not one of"),
         (topo("cpu", "cpu", gate="router"), "--gate 'router' is not one of"),
-        (topo("cpu", "cpu,cpu", placement=ExpertPlacement((0,) * 8)), r"FFN ranks \[1\] own no expert"),
+        (topo("cpu", "cpu,cpu", placement=ExpertPlacement(((0,),) * 8)), r"FFN ranks \[1\] own no expert"),
     ],
 )
 def test_bad_topologies_are_rejected_with_actionable_messages(topology, message):

@@ -1,0 +1,136 @@
+"""Redundant expert copies through the real endpoint and FFN worker loop (ranks as threads, loopback links):
+whatever copies compute a row, and after an FFN rank is lost mid-flight, every (token, expert) slot is
+computed exactly once and the combined output equals the monolithic FFN."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from afd.connectors.endpoints import AttentionEndpoint
+from afd.connectors.protocol import Role
+from afd.connectors.transport import LoopbackHub, LoopbackMailbox, PeerDiedError
+from afd.distributed.placement import ExpertPlacement
+from afd.distributed.topology import Topology, parse_devices, validate_topology
+from afd.ffn.worker import FFNWorker
+from afd.models import WeightSelection, load_model
+from afd.testing.parity import compare_values
+
+CASE = "ds-qlora-grouped-yarn"  # 8 routed experts, top-2, shared experts
+F = 3
+PLACEMENT = ExpertPlacement.contiguous(8, F, redundant=8)  # every expert on two of the three ranks
+
+
+@pytest.fixture(scope="module")
+def model(checkpoints):
+    return load_model(checkpoints[CASE][0], dtype="float32")[0]
+
+
+@pytest.fixture(scope="module")
+def ffn_models(checkpoints):
+    return [load_model(checkpoints[CASE][0], dtype="float32",
+                       selection=WeightSelection.experts_only(PLACEMENT.experts_of(r), shared_experts=True, routers=True))[0]
+            for r in range(F)]
+
+
+class Ranks:
+    """One attention endpoint and F FFN worker loops on threads; ``dead`` ranks never read their links."""
+
+    def __init__(self, ffn_models, dead=(), **topo) -> None:
+        topology = Topology(parse_devices("cpu"), parse_devices(",".join(["cpu"] * F)), transport="loopback", placement=PLACEMENT, **topo)
+        validate_topology(topology, 8)
+        self.hub = LoopbackHub()
+        self.endpoint = AttentionEndpoint(LoopbackMailbox(self.hub, Role.ATTENTION, 0, F), topology, PLACEMENT, timeout=10, failover=True)
+        self.workers = [FFNWorker(ffn_models[r], LoopbackMailbox(self.hub, Role.FFN, r, 1), 1, poll_interval=0.05, placement=PLACEMENT)
+                        for r in range(F)]
+        self.threads = [threading.Thread(target=w.serve, daemon=True) for r, w in enumerate(self.workers) if r not in dead]
+
+    def __enter__(self):
+        self.before = self.slots()
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.endpoint.shutdown()
+        for t in self.threads:
+            t.join(5)
+        self.hub.close()
+
+    def slots(self) -> int:
+        """(token, expert) slots computed so far, over every FFN rank's experts."""
+        return sum(sum(w.model.expert_token_counts().values()) for w in self.workers)
+
+    def computed(self) -> int:
+        return self.slots() - self.before
+
+
+def lose(endpoint, rank):
+    endpoint._lose(PeerDiedError(f"ffn rank {rank} is gone (test)", peer=rank))
+
+
+@pytest.mark.parametrize("gate, shared_on", [("attention", "attention"), ("attention", "ffn"), ("ffn", "attention"), ("ffn", "ffn")])
+@pytest.mark.parametrize("lost", [(), (0,), (1,), (2,)])
+def test_every_slot_is_computed_once_by_one_live_copy(model, ffn_models, gate, shared_on, lost):
+    """The copy choice, on both sides of the link (the gate on FFN routes there and keeps its own slots)."""
+    layer = model.config.moe.layers[-1]
+    k = model.config.moe.top_k
+    with Ranks(ffn_models, dead=lost, gate=gate, shared_experts_on=shared_on) as ranks:
+        for r in lost:  # lost before anything is in flight: nothing to re-dispatch
+            lose(ranks.endpoint, r)
+        for seed, n in ((0, 1), (1, 17), (2, 40)):
+            torch.manual_seed(seed)
+            x = torch.randn(n, model.config.hidden_size)
+            routing = model.router(layer, x)
+            before = ranks.computed()
+            handle = ranks.endpoint.dispatch(layer, seed + 1, x, routing if gate == "attention" else None, is_moe=True)
+            assert not set(handle.rows) & set(lost)
+            y = ranks.endpoint.combine(handle, model.config.hidden_size, x.dtype)
+            if shared_on == "attention":
+                y = y + model.shared_experts(layer, x)
+            assert ranks.computed() - before == n * k  # each (token, expert) slot once: no copy computed it twice
+            report = compare_values("combine", model.ffn(layer, x), y)
+            assert report.ok, str(report)
+    assert ranks.endpoint.num_retried == 0
+
+
+@pytest.mark.parametrize("gate", ["attention", "ffn"])
+def test_work_in_flight_on_a_lost_rank_is_redispatched_and_stale_results_are_dropped(model, ffn_models, gate):
+    """Rank 1 never answers; the others answer the first attempt; the loss re-dispatches the whole unit to
+    ranks 0 and 2 as a retry, whose results alone are summed."""
+    layer = model.config.moe.layers[0]
+    with Ranks(ffn_models, dead=(1,), gate=gate) as ranks:
+        torch.manual_seed(3)
+        x = torch.randn(29, model.config.hidden_size)
+        routing = model.router(layer, x)
+        handles = [ranks.endpoint.dispatch(layer, 1, x, routing if gate == "attention" else None, is_moe=True, microbatch=mb)
+                   for mb in range(2)]
+        assert all(1 in h.rows for h in handles)
+        deadline = threading.Event()
+        while sum(w.items_served for w in ranks.workers) < 4 and not deadline.wait(0.01):  # ranks 0 and 2 answered both
+            pass
+        lose(ranks.endpoint, 1)
+        assert [h.retries for h in handles] == [1, 1] and ranks.endpoint.num_retried == 2
+        for h in handles:
+            y = ranks.endpoint.combine(h, model.config.hidden_size, x.dtype) + model.shared_experts(layer, x)
+            report = compare_values("combine after failover", model.ffn(layer, x), y)
+            assert report.ok, str(report)
+            assert set(h.rows) <= {0, 2}
+        assert ranks.endpoint.stale_results == 4  # the first attempt's answers from ranks 0 and 2, both micro-batches
+        assert sum(w.retries for w in ranks.workers) == 4
+
+
+def test_without_a_surviving_copy_the_loss_names_the_experts(model, ffn_models):
+    with Ranks(ffn_models, dead=(0, 1)) as ranks:
+        lose(ranks.endpoint, 1)
+        with pytest.raises(PeerDiedError, match=r"experts \[.*\] have no surviving copy"):
+            lose(ranks.endpoint, 0)
+
+
+def test_without_failover_a_lost_rank_fails_as_before(model, ffn_models):
+    with Ranks(ffn_models) as ranks:
+        ranks.endpoint.failover = False
+        with pytest.raises(PeerDiedError, match="test"):
+            lose(ranks.endpoint, 1)
