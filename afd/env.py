@@ -21,7 +21,8 @@ VARIABLES: dict[str, str] = {
     "AFD_FFN_DELAY_MS": "testing/benchmarks only: FFN ranks sleep this long per computed batch (a slow FFN side)",
     "AFD_SEND_JITTER_MS": "testing only: every rank sleeps a random 0..N ms before each message it sends (arrival order varies)",
     "AFD_FAULT": "testing only: inject a protocol fault on attention rank 0's N-th work message "
-    "(corrupt-header|wrong-layer|wrong-seq|truncate[@N], default N=3)",
+    "(corrupt-header|wrong-layer|wrong-seq|truncate[@N], default N=3); engine-step@N: the serving loop fails at step N; "
+    "ffn-kill@N / ffn-hang@N: the last FFN rank SIGKILLs / SIGSTOPs itself on receiving its N-th work part",
 }
 
 
@@ -52,13 +53,15 @@ def io_log() -> bool:
 
 
 def fault() -> tuple[str, int] | None:
-    """Tests only (AFD_FAULT=KIND[@N]): a protocol fault in attention rank 0's N-th work message, or
-    ``engine-step``: the serving loop fails at its N-th step (a replica whose engine raises)."""
+    """Tests only (AFD_FAULT=KIND[@N]): a protocol fault in attention rank 0's N-th work message;
+    ``engine-step``: the serving loop fails at its N-th step (a replica whose engine raises);
+    ``ffn-kill`` / ``ffn-hang``: the last FFN rank dies (SIGKILL) or hangs (SIGSTOP) on receiving its N-th
+    work part, so the unit is in flight when it goes (the attention side is dispatching or combining)."""
     value = os.environ.get("AFD_FAULT")
     if not value:
         return None
     kind, _, nth = value.partition("@")
-    kinds = ("corrupt-header", "wrong-layer", "wrong-seq", "truncate", "engine-step")
+    kinds = ("corrupt-header", "wrong-layer", "wrong-seq", "truncate", "engine-step", "ffn-kill", "ffn-hang")
     if kind not in kinds:
         raise ValueError(f"AFD_FAULT must be one of {', '.join(kinds)} (optionally @N), got {value!r}")
     return kind, int(nth or 3)

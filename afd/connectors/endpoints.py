@@ -276,6 +276,7 @@ class AttentionEndpoint:
                     continue
             except PeerDiedError as e:
                 self._lose(e)
+                deadline = time.monotonic() + self.timeout  # the re-dispatched attempt gets a wait of its own
                 continue
             if msg is None:
                 waiting = sorted(set(handle.rows) - set(partial))

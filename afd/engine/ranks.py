@@ -102,6 +102,9 @@ def selection_for(spec: RankSpec) -> WeightSelection:
     )
 
 
+COMBINE_BACKSTOP_S = 300.0
+
+
 def failover_enabled(topology: Topology, placement: ExpertPlacement) -> bool:
     """Whether attention ranks survive an FFN rank's loss: redundant copies, on the shm transport (a dead
     peer of a torch.distributed group can hang its collectives; loopback ranks are threads)."""
@@ -165,9 +168,12 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
     mailbox = make_mailbox(spec.link, Role.ATTENTION, spec.index, t.num_ffn_ranks, hub, spec.device.torch_device)
     mailbox.jitter = env.send_jitter()
     fault = env.fault()
-    if fault is not None and spec.index == 0 and fault[0] != "engine-step":
+    if fault is not None and spec.index == 0 and fault[0] not in ("engine-step", "ffn-kill", "ffn-hang"):
         mailbox.fault = fault
-    endpoint = AttentionEndpoint(mailbox, t, spec.placement, spec.link_timeout, failover=failover_enabled(t, spec.placement))
+    # a combine's wait is bounded by liveness (a peer silent for the link timeout is hung); the endpoint's own
+    # timeout is only the backstop for a peer that beats but never answers (a bug), so it is long
+    endpoint = AttentionEndpoint(mailbox, t, spec.placement, max(COMBINE_BACKSTOP_S, spec.link_timeout),
+                                 failover=failover_enabled(t, spec.placement))
     # a lost FFN rank is the launcher's news too: it kills a hung one and counts the loss
     endpoint.on_ffn_lost = lambda loss: conn.send(("ffn_lost", loss.rank, loss.reason, loss.redispatched))
     endpoint.handshake()  # protocol version agreed with every FFN rank before READY
@@ -229,7 +235,8 @@ def _link_stats(mailbox, endpoint: AttentionEndpoint) -> dict:
     s = mailbox.stats
     return {"connector_bytes_sent": s.bytes_sent, "connector_bytes_received": s.bytes_received,
             "connector_round_trips": endpoint.round_trips, "connector_round_trip_s": endpoint.round_trip_s,
-            "connector_wait_s": endpoint.wait_s}
+            "connector_wait_s": endpoint.wait_s, "ffn_ranks_lost": len(endpoint.losses), "connector_redispatched": endpoint.num_retried,
+            "connector_stale_results": endpoint.stale_results}
 
 
 def _capture(engine: LLMEngine, prompts: list[list[int]], together: bool = False) -> tuple[dict, torch.Tensor] | None:
@@ -270,6 +277,9 @@ def _ffn_main(spec: RankSpec, conn, hub) -> None:
     try:
         worker = FFNWorker(model, mailbox, spec.topology.num_attention_ranks, placement=spec.placement)
         worker.delay = env.ffn_delay()
+        fault = env.fault()
+        if fault is not None and fault[0] in ("ffn-kill", "ffn-hang") and spec.index == spec.topology.num_ffn_ranks - 1:
+            worker.fault = (signal.SIGKILL if fault[0] == "ffn-kill" else signal.SIGSTOP, fault[1])
         # live counters for a server's /metrics: at most once a second, and only when they changed
         # (an idle run sends nothing, so nothing piles up in a pipe nobody reads)
         worker.on_tick = lambda: conn.send(("ffn_stats", worker.live_stats()))

@@ -27,6 +27,7 @@ thread (what the work costs) and as wall time (which also grows when processes o
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -75,6 +76,8 @@ class FFNWorker:
         self.retries = 0  # re-dispatched parts computed (Op.RETRY)
         self.max_drain = 256
         self.delay = 0.0  # seconds slept per batch: a slow FFN side, for tests and benchmarks
+        self.fault: tuple[int, int] | None = None  # tests (AFD_FAULT=ffn-kill|ffn-hang@N): (signal, n): raise it at the n-th work part
+        self._work_received = 0
         self.busy_s = 0.0  # wall time computing
         self.busy_cpu_s = 0.0  # CPU time of this thread computing
         self.straggler_wait_s = 0.0  # summed over unions: first part received -> last part received
@@ -206,6 +209,10 @@ class FFNWorker:
                     try:
                         if h.kind != Kind.WORK:
                             raise ProtocolError(f"{self.mailbox.name}: unexpected {h.kind.name} from {h.source}")
+                        self._work_received += 1
+                        if self.fault is not None and self._work_received == self.fault[1]:
+                            log.warning("%s: injected fault: signal %d at work part %d", self.mailbox.name, *self.fault)
+                            os.kill(os.getpid(), self.fault[0])
                         self._check(h)
                         done = self._add(parse_work(msg, self.mailbox.name))
                         if done is not None:

@@ -117,6 +117,21 @@ class _EngineCollector:
         yield rtt
         yield trips
         yield wait
+        redo = CounterMetricFamily("afd_connector_redispatched", "In-flight (step, layer, micro-batch) units sent again to surviving "
+                                   "expert copies after an FFN rank was lost", labels=["rank"])
+        stale = CounterMetricFamily("afd_connector_stale_results", "Results of a re-dispatched attempt that arrived and were dropped",
+                                    labels=["rank"])
+        for i, s in stats:
+            if "connector_redispatched" in s:
+                redo.add_metric([str(i)], s["connector_redispatched"])
+                stale.add_metric([str(i)], s["connector_stale_results"])
+        yield redo
+        yield stale
+        losses = getattr(self.frontend.replicas, "ffn_losses", None)
+        if losses is not None:
+            lost = CounterMetricFamily("afd_ffn_ranks_lost", "FFN ranks the run went on without (died, or killed when found hung)")
+            lost.add_metric([], len(losses()))
+            yield lost
         rows = GaugeMetricFamily("afd_ffn_mean_gemm_rows", "Mean rows per expert GEMM on each FFN rank", labels=["rank"])
         items = GaugeMetricFamily("afd_ffn_items_per_batch", "Mean non-empty parts (attention ranks) per computed union", labels=["rank"])
         batches = CounterMetricFamily("afd_ffn_batches", "(step, layer, micro-batch) unions computed", labels=["rank"])
@@ -130,11 +145,20 @@ class _EngineCollector:
             batches.add_metric([rank], s["batches"])
             ffn_rows.add_metric([rank], s["tokens"])
             straggler.add_metric([rank], s["straggler_wait_s"])
+        retries = CounterMetricFamily("afd_ffn_retries", "Re-dispatched parts (Op.RETRY) the FFN rank computed", labels=["rank"])
+        for name, s in ffn.items():
+            retries.add_metric([name.rsplit(" ", 1)[-1]], s.get("retries", 0))
         yield rows
         yield items
         yield batches
         yield ffn_rows
         yield straggler
+        yield retries
+        loads = [s["tokens"] for s in ffn.values()]
+        if loads and sum(loads):
+            imbalance = GaugeMetricFamily("afd_ffn_load_max_over_mean", "Most rows any FFN rank computed over the mean (1.0: balanced)")
+            imbalance.add_metric([], max(loads) / (sum(loads) / len(loads)))
+            yield imbalance
         experts = CounterMetricFamily("afd_expert_tokens", "Tokens computed by each routed expert", labels=["layer", "expert"])
         totals: dict[tuple[int, int], int] = {}
         for source in [s for _, s in stats] + list(ffn.values()):

@@ -1,0 +1,99 @@
+"""An FFN rank dies or hangs under load and no request is lost (real processes: ``afd serve``, 1 attention +
+2 FFN ranks on shm, every expert on both FFN ranks). One seeded trial per fault; the full matrix of
+injection points is ``scripts/chaos.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.serving.server_proc import MODEL_NAME, Server
+
+REDUNDANT = ["--attention-ranks", "1", "--ffn-ranks", "2", "--redundant-experts", "8", "--hang-timeout", "2"]
+STREAMS = 6
+
+
+def _stream(url: str, i: int, out: dict) -> None:
+    payload = {"model": MODEL_NAME, "prompt": f"KING {i}:", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+    text, outcome = [], "cut"
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=payload, timeout=120) as r:
+            outcome = f"status {r.status_code}" if r.status_code != 200 else outcome
+            for line in r.iter_lines() if r.status_code == 200 else ():
+                if line == "data: [DONE]":
+                    outcome = "done"
+                elif line.startswith("data:"):
+                    event = json.loads(line[5:])
+                    if "error" in event:
+                        outcome = "error: " + event["error"]["message"]
+                    else:
+                        text.append(event["choices"][0]["text"])
+    except httpx.HTTPError as e:
+        outcome = f"cut: {type(e).__name__}"
+    out[i] = (outcome, "".join(text))
+
+
+def _run(s: Server, fault=None) -> dict:
+    """STREAMS concurrent greedy streams; ``fault()`` once every stream has produced tokens."""
+    out: dict = {}
+    before = s.metric("afd_generation_tokens_total", wait=0)
+    threads = [threading.Thread(target=_stream, args=(s.url, i, out)) for i in range(STREAMS)]
+    for t in threads:
+        t.start()
+    if fault is not None:
+        deadline = time.monotonic() + 60
+        while s.metric("afd_generation_tokens_total", wait=0) - before < 4 * STREAMS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fault()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "hang"])
+def test_an_ffn_rank_lost_under_load_costs_no_request_and_changes_no_text(sig):
+    with Server(*REDUNDANT) as s:
+        assert any("every expert is on at least two FFN ranks" in line for line in s.stderr + s.stdout)
+        reference = _run(s)
+        assert all(outcome == "done" for outcome, _ in reference.values()), reference
+        ffn = s.rank_pids("ffn rank")
+        assert len(ffn) == 2
+        lost_at: list = []
+        out = _run(s, fault=lambda: (lost_at.append(time.monotonic()), os.kill(ffn[1], sig)))
+        for i in range(STREAMS):
+            assert out[i][0] == "done", out[i]
+            assert out[i][1] == reference[i][1], f"stream {i} changed after the failover"
+        health = s.get("/health")
+        assert health.status_code == 200
+        states = {r["name"]: r["state"] for r in health.json()["ranks"]}
+        assert states["ffn rank 1"] == "lost" and states["ffn rank 0"] == "serving"
+        assert s.metric("afd_ffn_ranks_lost_total") == 1 and s.metric("afd_connector_redispatched_total") >= 1
+        detected = time.monotonic() - lost_at[0]
+        assert detected < 60
+        if sig == signal.SIGSTOP:  # found hung (2 s) and killed by the launcher, so no one waits on it again
+            deadline = time.monotonic() + 10
+            while os.path.exists(f"/proc/{ffn[1]}") and _state(ffn[1]) != "Z" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not os.path.exists(f"/proc/{ffn[1]}") or _state(ffn[1]) == "Z"
+        rows = s.metric("afd_ffn_rows_total")
+        again = _run(s)  # the survivor serves every expert now
+        assert all(again[i] == reference[i] for i in range(STREAMS))
+        assert s.metric("afd_ffn_rows_total") > rows
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_without_redundancy_the_start_says_an_ffn_failure_stops_the_server():
+    with Server("--attention-ranks", "1", "--ffn-ranks", "2") as s:
+        assert any("no redundancy: an FFN failure stops the server" in line for line in s.stderr + s.stdout)
