@@ -121,10 +121,13 @@ class DisaggregatedRunner:
         layers = self.model.config.num_layers
         if self.plane is None or solo:
             epoch = 0 if self.plane is None else SOLO_EPOCH + self.endpoint.rank
-            plan = local_plan(self._local_step, self.endpoint.rank, spans, self.pipeline, layers, self._cost(), epoch)
+            plan = local_plan(self._local_step, self.endpoint.rank, spans, self.pipeline, layers, self._cost(), epoch,
+                              self.endpoint.ready_mask)
             self._local_step += 1
         else:
-            plan = self.plane.agree(spans, self.pipeline, layers, self._cost())
+            plan = self.plane.agree(spans, self.pipeline, layers, self._cost(), self.endpoint.ready_mask)
+        if self.plane is None or not solo:  # a replacement FFN rank every member has links to is used from this step
+            self.endpoint.admit(plan.ffn_ready)
         self.last_step = plan
         if self.trace is not None and plan.contributors:
             now = time.perf_counter()

@@ -78,6 +78,7 @@ class FFNLoss:
     """An FFN rank this attention rank stopped using: who, why, when, and the work it re-dispatched."""
 
     rank: int
+    generation: int  # of its links: which incarnation of the rank was lost
     reason: str
     at: float  # time.monotonic()
     redispatched: int  # in-flight (seq, layer, micro-batch) units sent again to surviving copies
@@ -97,6 +98,9 @@ class AttentionEndpoint:
         self.rank = mailbox.index
         self.device = mailbox.device  # the rank's compute device: results arrive here
         self.alive = list(range(topology.num_ffn_ranks))  # FFN ranks in use, ascending
+        self.connected = set(self.alive)  # FFN ranks with open, greeted links (a replacement: before it is admitted)
+        self.generation = {r: 0 for r in self.alive}  # FFN rank -> the generation of its links (replacements count up)
+        self.joins: list[tuple[int, float]] = []  # (FFN rank, time.monotonic()) of every replacement admitted
         self._table = placement.copy_table(self.alive, self.device)
         self.failover = placement.redundant > 0 if failover is None else failover
         self.timeout = timeout
@@ -114,6 +118,43 @@ class AttentionEndpoint:
     @property
     def ffn_members(self) -> int:
         return alive_mask(self.alive)
+
+    @property
+    def ready_mask(self) -> int:
+        """The FFN ranks this rank could use (links open and greeted), as a step vote carries them."""
+        return alive_mask(self.connected)
+
+    def join(self, rank: int, generation: int) -> None:
+        """Open the links to FFN rank ``rank``'s replacement (generation ``generation``) and greet it. It is
+        used from the first step whose agreed ``ffn_ready`` names it (:meth:`admit`)."""
+        self.mailbox.reconnect(rank, generation, self.timeout)
+        self.mailbox.send(rank, make_message(Header(Kind.HELLO, Role.ATTENTION, self.rank, rank), {}))
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            msg = self.mailbox.recv(min(left, 0.5)) if left > 0 else None
+            if msg is None:
+                if left <= 0:
+                    raise ConnectorTimeout(f"{self.mailbox.name}: no HELLO from the replacement of FFN rank {rank} within {self.timeout:.0f} s")
+                continue
+            if msg.header.kind == Kind.HELLO and msg.header.src_index == rank:
+                break
+            if msg.header.kind != Kind.HEARTBEAT:
+                raise ProtocolError(f"{self.mailbox.name}: {msg.header.kind.name} from {msg.header.source} while greeting FFN rank {rank}")
+        self.connected.add(rank)
+        self.generation[rank] = generation
+        log.warning("%s: linked to the replacement of %s (generation %d)", self.mailbox.name, self.mailbox.peer_name(rank), generation)
+
+    def admit(self, ready: int) -> None:
+        """Use the connected FFN ranks named in ``ready`` (the step's agreement) that are not in use yet."""
+        new = [r for r in self.connected if ready >> r & 1 and r not in self.alive]
+        if not new:
+            return
+        self.alive = sorted([*self.alive, *new])
+        self._table = self.placement.copy_table(self.alive, self.device)
+        now = time.monotonic()
+        self.joins += [(r, now) for r in new]
+        log.warning("%s: FFN ranks %s back in use: now %s", self.mailbox.name, new, self.alive)
 
     def dispatch(
         self,
@@ -220,7 +261,10 @@ class AttentionEndpoint:
         r = error.peer
         if r is None or not self.failover:
             raise error
-        if r not in self.alive:
+        if r not in self.alive:  # gone before it was used (a replacement that died starting), or lost already
+            if r in self.connected:
+                self.connected.discard(r)
+                self.mailbox.forget(r)
             return
         alive = [a for a in self.alive if a != r]
         try:
@@ -228,9 +272,10 @@ class AttentionEndpoint:
         except ValueError as e:
             raise PeerDiedError(f"{error}; {e}", peer=r) from None
         self.alive, self._table = alive, table
+        self.connected.discard(r)
         self.mailbox.forget(r)  # its link closing or its late messages are not news any more
         redo = [h for h in self._handles.values() if r in h.rows and r not in self._stash[h.key]]
-        loss = FFNLoss(r, str(error), time.monotonic(), len(redo))
+        loss = FFNLoss(r, self.generation.get(r, 0), str(error), time.monotonic(), len(redo))
         self.losses.append(loss)
         log.warning("%s: lost %s (%s); re-dispatching %d in-flight units to FFN ranks %s", self.mailbox.name,
                     self.mailbox.peer_name(r), error, len(redo), alive)
@@ -349,7 +394,7 @@ class AttentionEndpoint:
             waiting.discard(msg.header.src_index)
 
     def shutdown(self) -> None:
-        for r in self.alive:
+        for r in sorted(self.connected):
             try:
                 self.mailbox.send(r, make_message(Header(Kind.SHUTDOWN, Role.ATTENTION, self.rank, r), {}))
             except PeerDiedError:  # gone meanwhile: nothing to tell it

@@ -29,8 +29,11 @@ class LinkSpec:
 
 
 def make_mailbox(spec: LinkSpec, role: Role, index: int, num_peers: int, hub: LoopbackHub | None = None,
-                 device: str = "cpu") -> Mailbox:
-    """``device``: the rank's compute device, where received tensors are delivered."""
+                 device: str = "cpu", generation: int = 0) -> Mailbox:
+    """``device``: the rank's compute device, where received tensors are delivered. ``generation`` > 0: a
+    replacement FFN rank's links (shm only)."""
+    if generation and spec.transport != "shm":
+        raise ValueError(f"a replacement rank's links need the shm transport, not {spec.transport}")
     if spec.transport == "loopback":
         if hub is None:
             raise ValueError("the loopback transport needs the run's LoopbackHub (ranks must be threads of one process)")
@@ -39,7 +42,7 @@ def make_mailbox(spec: LinkSpec, role: Role, index: int, num_peers: int, hub: Lo
         from afd.connectors.shm import ShmMailbox
 
         return ShmMailbox(spec.run_dir, role, index, num_peers, spec.num_slots, spec.slot_bytes, spec.connect_timeout,
-                          spec.io_log, device)
+                          spec.io_log, device, generations={p: generation for p in range(num_peers)} if generation else None)
     if spec.transport == "torch":
         from afd.connectors.torch_dist import TorchMailbox
 

@@ -26,6 +26,7 @@ import select
 import struct
 import time
 from pathlib import Path
+from typing import Sequence
 
 from afd.connectors.protocol import Role, tensor_bytes
 from afd.connectors.transport import ConnectorTimeout, Mailbox, PeerDiedError
@@ -39,18 +40,21 @@ def _tag(role: Role, index: int) -> str:
     return f"{'a' if role == Role.ATTENTION else 'f'}{index}"
 
 
-def _prefix(run_dir: Path, src: tuple[Role, int], dst: tuple[Role, int]) -> Path:
-    return Path(run_dir) / f"{_tag(*src)}-{_tag(*dst)}"
+def _prefix(run_dir: Path, src: tuple[Role, int], dst: tuple[Role, int], generation: int = 0) -> Path:
+    """Generation g > 0: the links of the g-th replacement of the pair's FFN rank (new files, never reused)."""
+    return Path(run_dir) / (f"{_tag(*src)}-{_tag(*dst)}" + (f".g{generation}" if generation else ""))
 
 
-def create_links(run_dir: Path, num_attention: int, num_ffn: int, num_slots: int, slot_bytes: int) -> None:
-    """Create every ring file and FIFO of a run (before any rank starts)."""
+def create_links(run_dir: Path, num_attention: int, num_ffn: int, num_slots: int, slot_bytes: int,
+                 ffn_ranks: Sequence[int] | None = None, generation: int = 0) -> None:
+    """Create the ring files and FIFOs of a run (before any rank starts), or of the links of ``ffn_ranks``'
+    replacement generation ``generation`` (before the replacement starts)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     for a in range(num_attention):
-        for f in range(num_ffn):
+        for f in range(num_ffn) if ffn_ranks is None else ffn_ranks:
             for src, dst in (((Role.ATTENTION, a), (Role.FFN, f)), ((Role.FFN, f), (Role.ATTENTION, a))):
-                p = _prefix(run_dir, src, dst)
+                p = _prefix(run_dir, src, dst, generation)
                 with open(f"{p}.ring", "wb") as fh:
                     fh.truncate(_CTRL + num_slots * slot_bytes)
                 os.mkfifo(f"{p}.data")
@@ -88,9 +92,12 @@ class ShmMailbox(Mailbox):
         connect_timeout: float = 30.0,
         io_log: bool = False,
         device: str = "cpu",
+        generations: dict[int, int] | None = None,
     ) -> None:
+        """``generations``: peer -> the generation of its links (default 0: the run's first links)."""
         super().__init__(role, index, num_peers, io_log, device)
-        me = (role, index)
+        self._run_dir, self._num_slots, self._slot_bytes = Path(run_dir), num_slots, slot_bytes
+        gen = generations or {}
         self._out: dict[int, _Ring] = {}
         self._in: dict[int, _Ring] = {}
         self._data_r: dict[int, int] = {}  # peer -> fd (incoming notifications)
@@ -99,20 +106,48 @@ class ShmMailbox(Mailbox):
         self._space_w: dict[int, int] = {}
         self._connected: set[int] = set()  # peers whose writer we have seen
         self._pending: int | None = None  # peer whose slot is held until release
-        for p in range(num_peers):
-            peer = (self.peer_role, p)
-            out, inc = _prefix(run_dir, me, peer), _prefix(run_dir, peer, me)
-            self._out[p] = _Ring(f"{out}.ring", num_slots, slot_bytes)
-            self._in[p] = _Ring(f"{inc}.ring", num_slots, slot_bytes)
-            self._data_r[p] = os.open(f"{inc}.data", os.O_RDONLY | os.O_NONBLOCK)
-            self._space_r[p] = os.open(f"{out}.space", os.O_RDONLY | os.O_NONBLOCK)
+        for p in range(num_peers):  # every reader end first, then the writers (which need the peer's readers)
+            self._open_readers(p, gen.get(p, 0))
         deadline = time.monotonic() + connect_timeout
         for p in range(num_peers):
-            peer = (self.peer_role, p)
-            out, inc = _prefix(run_dir, me, peer), _prefix(run_dir, peer, me)
-            self._data_w[p] = self._open_writer(f"{out}.data", p, deadline)
-            self._space_w[p] = self._open_writer(f"{inc}.space", p, deadline)
+            self._open_writers(p, gen.get(p, 0), deadline)
         self._fd_peer = {fd: p for p, fd in self._data_r.items()}
+
+    def _paths(self, p: int, generation: int) -> tuple[Path, Path]:
+        me, peer = (self.role, self.index), (self.peer_role, p)
+        return _prefix(self._run_dir, me, peer, generation), _prefix(self._run_dir, peer, me, generation)
+
+    def _open_readers(self, p: int, generation: int) -> None:
+        out, inc = self._paths(p, generation)
+        self._out[p] = _Ring(f"{out}.ring", self._num_slots, self._slot_bytes)
+        self._in[p] = _Ring(f"{inc}.ring", self._num_slots, self._slot_bytes)
+        self._data_r[p] = os.open(f"{inc}.data", os.O_RDONLY | os.O_NONBLOCK)
+        self._space_r[p] = os.open(f"{out}.space", os.O_RDONLY | os.O_NONBLOCK)
+
+    def _open_writers(self, p: int, generation: int, deadline: float) -> None:
+        out, inc = self._paths(p, generation)
+        self._data_w[p] = self._open_writer(f"{out}.data", p, deadline)
+        self._space_w[p] = self._open_writer(f"{inc}.space", p, deadline)
+
+    def reconnect(self, peer: int, generation: int, timeout: float = 30.0) -> None:
+        """Drop the links to ``peer`` and open its generation-``generation`` links (a replacement rank)."""
+        with self._send_lock:  # the heartbeat thread sends too
+            self._reconnect(peer, generation, timeout)
+
+    def _reconnect(self, peer: int, generation: int, timeout: float) -> None:
+        self._fd_peer.pop(self._data_r.get(peer, -1), None)
+        for fds in (self._data_r, self._space_r, self._data_w, self._space_w):
+            fd = fds.pop(peer, None)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._connected.discard(peer)
+        self._open_readers(peer, generation)
+        self._open_writers(peer, generation, time.monotonic() + timeout)
+        self._fd_peer[self._data_r[peer]] = peer
+        self._rejoin(peer)
 
     def _open_writer(self, path: str, peer: int, deadline: float) -> int:
         while True:
@@ -154,8 +189,8 @@ class ShmMailbox(Mailbox):
             raise PeerDiedError(f"{self.name}: {self.peer_name(peer)} is gone (its end of the link closed)", peer=peer) from None
 
     def _has_room(self, peer: int) -> bool:
-        ring = self._out[peer]
-        return ring.count(0) - ring.count(8) < ring.num_slots
+        ring = self._out.get(peer)
+        return ring is not None and peer in self._data_w and ring.count(0) - ring.count(8) < ring.num_slots
 
     def _wait_space(self, peer: int, timeout: float = 60.0) -> None:
         r, _, _ = select.select([self._space_r[peer]], [], [], timeout)

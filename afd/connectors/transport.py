@@ -197,6 +197,16 @@ class Mailbox(ABC):
     def _release(self) -> None:
         """Give the transport's receive buffer back (after the payload was copied out)."""
 
+    def reconnect(self, peer: int, generation: int, timeout: float = 30.0) -> None:
+        """Open new links to a peer's replacement (generation ``generation``); the transport must support it."""
+        raise NotImplementedError(f"{type(self).__name__}: links cannot be reopened (a replacement rank needs the shm transport)")
+
+    def _rejoin(self, peer: int) -> None:
+        """After :meth:`reconnect`: the peer is listened to, beaten to and watched for silence again."""
+        self._silent_ok.discard(peer)
+        self._last_seen[peer] = time.monotonic()
+        self._last_sent.pop(peer, None)
+
     def forget(self, peer: int) -> None:
         """Stop listening to a peer that said SHUTDOWN: its link closing later is not a death."""
         self._silent_ok.add(peer)

@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Sequence
@@ -95,6 +95,9 @@ class _Rank:
     done: bool = False  # said bye / exited as asked
     failed: bool = False  # already reported
     lost: bool = False  # an FFN rank the run goes on without (its experts have other copies)
+    joined: bool = True  # a replacement: every attention rank has linked to it
+    linked: set = field(default_factory=set)  # a replacement: the attention ranks linked to it so far
+    started_at: float = 0.0
     final_stats: Any = None  # what the rank said on exit (FFN: items, batches, mean expert GEMM rows)
     live_stats: Any = None  # the latest counters an FFN rank reported while serving
 
@@ -153,6 +156,10 @@ class Cluster:
         self._store = None  # torch transport: the TCPStore rendezvous
         self._steps_store = None  # the step agreement's TCPStore, when no rendezvous store can hold it
         self.ffn_losses: list[dict] = []  # every FFN rank the run went on without: rank, pid, cause, when
+        self.ffn_replacements: list[dict] = []  # every replacement back in use: rank, pid, generation, seconds to join
+        self.max_replacements = 3  # per FFN rank, over the run
+        self.replace_ffn = True  # start a replacement for every lost FFN rank
+        self._started = False
 
     def describe_limits(self) -> str:
         """Each attention rank's limits, and the workspace of an FFN rank's union (at most A x the token cap)."""
@@ -181,23 +188,28 @@ class Cluster:
         """Whether the run can go on without this FFN rank (and every FFN rank lost before it)."""
         from afd.engine.ranks import failover_enabled
 
-        if rank.spec.role != Role.FFN or not failover_enabled(self.topology, self.placement):
+        if rank.spec.role != Role.FFN or not self._started or not failover_enabled(self.topology, self.placement):
             return False
-        alive = [r.spec.index for r in self.ranks if r.spec.role == Role.FFN and not r.lost and r is not rank]
+        if not rank.joined:  # a replacement that died starting: nobody used it yet
+            return True
+        alive = [r.spec.index for r in self.ranks if r.spec.role == Role.FFN and not r.lost and r.joined and r is not rank]
         return bool(alive) and not self.placement.orphans(alive)
 
     def _lose_ffn(self, rank: _Rank, cause: str) -> None:
         rank.lost = rank.done = True
-        self.ffn_losses.append({"rank": rank.spec.index, "pid": rank.proc.pid, "cause": cause, "at": time.time()})
-        alive = [r.spec.index for r in self.ranks if r.spec.role == Role.FFN and not r.lost]
+        self.ffn_losses.append({"rank": rank.spec.index, "pid": rank.proc.pid, "cause": cause, "at": time.time(),
+                                "replacement": rank.spec.generation > 0 and not rank.joined})
+        alive = [r.spec.index for r in self.ranks if r.spec.role == Role.FFN and not r.lost and r.joined]
         log.warning("run %s: %s: going on without it; its experts %s are served by their copies on FFN ranks %s", self.run_id, cause,
                     list(self.placement.experts_of(rank.spec.index)), alive)
+        if self.replace_ffn:
+            self._replace(rank)
 
-    def _ffn_reported_lost(self, index: int, reason: str, by: _Rank) -> None:
+    def _ffn_reported_lost(self, index: int, generation: int, reason: str, by: _Rank) -> None:
         """An attention rank stopped using an FFN rank (dead, or silent past the link timeout): a hung one
         is killed, so that every attention rank sees the same loss (its links close)."""
-        rank = next(r for r in self.ranks if r.spec.role == Role.FFN and r.spec.index == index)
-        if rank.lost:
+        rank = next((r for r in self.ranks if r.spec.role == Role.FFN and (r.spec.index, r.spec.generation) == (index, generation)), None)
+        if rank is None or rank.lost:
             return
         if rank.proc.is_alive():
             try:
@@ -257,29 +269,72 @@ class Cluster:
             self._hub = LoopbackHub()
         log.info("run %s: %s, placement %s, run dir %s", self.run_id, t, self.placement.describe(), self.run_dir)
         log.warning("%s", self.describe_redundancy())
-        ctx = mp.get_context("spawn")
         try:
             for role, index in build_launch_order(t, self.local_roles()):
-                spec = RankSpec(role, index, self.model_dir, t, self.placement, link, self.engine, self.link_timeout, self.pipeline,
-                                steps)
-                parent, child = ctx.Pipe()
-                if t.transport == "loopback":
-                    proc = threading.Thread(target=run_rank, args=(spec, child, self._hub, False), name=spec.name, daemon=True)
-                else:
-                    proc = ctx.Process(target=run_rank, args=(spec, child), name=f"afd-{spec.name.replace(' ', '-')}")
-                os.environ["AFD_RANK"] = spec.name  # visible in /proc/<pid>/environ of the rank
-                try:
-                    proc.start()
-                finally:
-                    os.environ.pop("AFD_RANK", None)
-                self.ranks.append(_Rank(spec, parent, proc))
+                self._spawn(RankSpec(role, index, self.model_dir, t, self.placement, link, self.engine, self.link_timeout, self.pipeline,
+                                     steps))
             deadline = time.monotonic() + self.ready_timeout
             while any(r.ready is None for r in self.ranks):
                 self._poll(deadline, "READY")
+            self._started = True
             return self
         except BaseException:
             self.shutdown()
             raise
+
+    def _spawn(self, spec: RankSpec, **state) -> _Rank:
+        parent, child = mp.get_context("spawn").Pipe()
+        if spec.link.transport == "loopback":
+            proc = threading.Thread(target=run_rank, args=(spec, child, self._hub, False), name=spec.name, daemon=True)
+        else:
+            proc = mp.get_context("spawn").Process(target=run_rank, args=(spec, child), name=f"afd-{spec.name.replace(' ', '-')}")
+        os.environ["AFD_RANK"] = spec.name  # visible in /proc/<pid>/environ of the rank
+        try:
+            proc.start()
+        finally:
+            os.environ.pop("AFD_RANK", None)
+        rank = _Rank(spec, parent, proc, **state)
+        self.ranks.append(rank)
+        return rank
+
+    def _replace(self, lost: _Rank) -> None:
+        """Start a replacement for a lost FFN rank: links of a new generation, the same experts loaded from the
+        checkpoint. When its weights are in, every attention rank links to it (``ffn_join``); the step
+        agreement then takes it back (afd/attention/steps.py)."""
+        from afd.connectors.shm import create_links
+
+        index = lost.spec.index
+        tries = sum(1 for r in self.ranks if r.spec.role == Role.FFN and r.spec.index == index) - 1
+        if self._closed or tries > self.max_replacements:
+            log.warning("run %s: ffn rank %d: not replaced again (%d replacements started); serving without it", self.run_id, index, tries)
+            return
+        generation = max(r.spec.generation for r in self.ranks if r.spec.role == Role.FFN and r.spec.index == index) + 1
+        link = lost.spec.link
+        create_links(self.run_dir, self.topology.num_attention_ranks, self.topology.num_ffn_ranks, link.num_slots, link.slot_bytes,
+                     ffn_ranks=[index], generation=generation)
+        rank = self._spawn(replace(lost.spec, generation=generation), joined=False, started_at=time.monotonic())
+        log.warning("run %s: starting a replacement for ffn rank %d (pid %d, generation %d)", self.run_id, index, rank.proc.pid, generation)
+
+    def _replacement_event(self, r: _Rank, msg: tuple) -> None:
+        """A replacement's progress: weights loaded (attention ranks link to it), then every attention rank linked."""
+        if msg[0] == "loaded":
+            for a in self.attention_ranks():
+                a.conn.send(("ffn_join", r.spec.index, r.spec.generation))
+            return
+        target = next((f for f in self.ranks if f.spec.role == Role.FFN and f.spec.index == msg[1] and f.spec.generation == msg[2]), None)
+        if target is None or target.lost:
+            return
+        if msg[0] == "ffn_join_failed":
+            log.warning("run %s: %s could not link to ffn rank %d generation %d: %s", self.run_id, r.spec.name, msg[1], msg[2], msg[3])
+            return
+        target.linked.add(r.spec.index)
+        if len(target.linked) == len(self.attention_ranks()) and not target.joined:
+            target.joined = True
+            took = time.monotonic() - target.started_at
+            self.ffn_replacements.append({"rank": target.spec.index, "pid": target.proc.pid, "generation": target.spec.generation,
+                                          "seconds": took, "at": time.time()})
+            log.warning("run %s: ffn rank %d replaced (pid %d, generation %d) in %.1f s: back in use from the next step",
+                        self.run_id, target.spec.index, target.proc.pid, target.spec.generation, took)
 
     # ------------------------------------------------------------------ watching
     def _poll(self, deadline: float, waiting_for: str, max_wait: float = 0.5) -> list[tuple[_Rank, tuple]]:
@@ -321,7 +376,9 @@ class Cluster:
                 elif msg[0] == "ffn_stats":
                     r.live_stats = msg[1]
                 elif msg[0] == "ffn_lost":
-                    self._ffn_reported_lost(msg[1], msg[2], r)
+                    self._ffn_reported_lost(msg[1], msg[2], msg[3], r)
+                elif msg[0] in ("loaded", "ffn_joined", "ffn_join_failed"):
+                    self._replacement_event(r, msg)
                 else:
                     got.append((r, msg))
         for r in self.ranks:

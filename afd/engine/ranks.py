@@ -67,6 +67,7 @@ class RankSpec:
     link_timeout: float = 60.0
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     steps: tuple[str, int] | None = None  # (host, port) of the step agreement's store; None: one attention rank
+    generation: int = 0  # > 0: the generation-th replacement of a lost FFN rank (links of its own)
 
     @property
     def name(self) -> str:
@@ -175,7 +176,7 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
     endpoint = AttentionEndpoint(mailbox, t, spec.placement, max(COMBINE_BACKSTOP_S, spec.link_timeout),
                                  failover=failover_enabled(t, spec.placement))
     # a lost FFN rank is the launcher's news too: it kills a hung one and counts the loss
-    endpoint.on_ffn_lost = lambda loss: conn.send(("ffn_lost", loss.rank, loss.reason, loss.redispatched))
+    endpoint.on_ffn_lost = lambda loss: conn.send(("ffn_lost", loss.rank, loss.generation, loss.reason, loss.redispatched))
     endpoint.handshake()  # protocol version agreed with every FFN rank before READY
     mailbox.start_heartbeats(spec.link.heartbeat_interval, spec.link.link_timeout)
     e = spec.engine
@@ -192,6 +193,18 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
                           enable_prefix_caching=e.enable_prefix_caching)
     tokenizer = Tokenizer(spec.model_dir) if (Path(spec.model_dir) / "tokenizer.json").is_file() else None  # token ids only
     engine = LLMEngine(model, tokenizer, config, runner)
+
+    def ffn_join(cmd) -> None:  # ("ffn_join", FFN rank, generation): link to a replacement; never fatal
+        try:
+            endpoint.join(cmd[1], cmd[2])
+        except Exception as e:  # noqa: BLE001 - a replacement that fails to start is the launcher's to retry
+            log.warning("%s: could not link to the replacement of ffn rank %d: %s", spec.name, cmd[1], e)
+            conn.send(("ffn_join_failed", cmd[1], cmd[2], str(e)))
+            return
+        if plane is None:  # no one to agree with: use it at once
+            endpoint.admit(endpoint.ready_mask)
+        conn.send(("ffn_joined", cmd[1], cmd[2]))
+
     conn.send(("ready", ready))
     try:
         while True:
@@ -201,7 +214,10 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
 
                 runner.pipeline = cmd[1] or spec.pipeline
                 options = cmd[2] if len(cmd) > 2 else {}
-                serve_requests(engine, conn, lambda: _link_stats(mailbox, endpoint), capture=options.get("capture"))
+                serve_requests(engine, conn, lambda: _link_stats(mailbox, endpoint), capture=options.get("capture"),
+                               commands={"ffn_join": ffn_join})
+            elif cmd[0] == "ffn_join":
+                ffn_join(cmd)
             elif cmd[0] == "pipeline":
                 runner.pipeline = cmd[1]
                 conn.send(("pipeline", cmd[1]))
@@ -271,7 +287,10 @@ def _capture(engine: LLMEngine, prompts: list[list[int]], together: bool = False
 
 def _ffn_main(spec: RankSpec, conn, hub) -> None:
     model, ready = _load(spec)
-    mailbox = make_mailbox(spec.link, Role.FFN, spec.index, spec.topology.num_attention_ranks, hub, spec.device.torch_device)
+    if spec.generation:  # a replacement: the attention ranks open their ends of its links once its weights are in
+        conn.send(("loaded", spec.generation))
+    mailbox = make_mailbox(spec.link, Role.FFN, spec.index, spec.topology.num_attention_ranks, hub, spec.device.torch_device,
+                           generation=spec.generation)
     mailbox.jitter = env.send_jitter()
     conn.send(("ready", ready))
     try:

@@ -9,12 +9,14 @@ Commands (front end -> replica):
     ("adds", [(rid, prompt_ids, SamplingParams)])  the requests the front end took in one event-loop turn
     ("abort", rid)                             the client went away: free its blocks
     ("start_wave", w)                          every attention rank joins wave w of agreed steps
+    ("ffn_join", f, g)                         an attention rank: link to FFN rank f's replacement (generation g)
     ("stop",)                                  abort everything, reply ("stopped", stats), return
 Events (replica -> front end):
     ("deltas", [TokenDelta], stats)            after every step that produced tokens; delta.tag is the rid
     ("rejected", rid, message)                 the request could not be admitted
     ("need_wave", w)                           work arrived while the attention ranks wait: start wave w
     ("stats", stats)                           counters, when they changed while idle
+    ("ffn_lost", f, g, reason, n) / ("ffn_joined", f, g)  an attention rank stopped using FFN rank f / linked to its replacement
 
 Attention ranks step together (afd/attention/steps.py): work arriving while they wait
 asks for the next wave, and the front end starts it on every rank, once.
@@ -33,24 +35,26 @@ EXPERT_COUNTS_INTERVAL_S = 1.0
 
 
 def serve_requests(engine: LLMEngine, conn, extra_stats: Callable[[], dict] | None = None, idle_poll: float = 0.5,
-                   capture: str | None = None) -> None:
+                   capture: str | None = None, commands: dict[str, Callable[[tuple], None]] | None = None) -> None:
     """Serve until ("stop",). Exceptions propagate: the caller reports them (the replica has failed).
     Deltas carry token ids, no text: the front end detokenizes and checks stop strings (and aborts a
     request a stop string ended). ``capture``: record every step's boundaries, keyed by the front
-    end's request ids, to this file (written before "stopped" is sent)."""
+    end's request ids, to this file (written before "stopped" is sent). ``commands``: the replica's own
+    commands (an attention rank: ``ffn_join``), run between steps."""
     detokenize, engine.detokenize = engine.detokenize, False
     if capture is not None:
         from afd.obs.capture import CaptureStore
 
         engine.capture = CaptureStore()
     try:
-        _serve(engine, conn, extra_stats, idle_poll, capture)
+        _serve(engine, conn, extra_stats, idle_poll, capture, commands or {})
     finally:
         engine.detokenize = detokenize
         engine.capture = None
 
 
-def _serve(engine: LLMEngine, conn, extra_stats: Callable[[], dict] | None, idle_poll: float, capture: str | None) -> None:
+def _serve(engine: LLMEngine, conn, extra_stats: Callable[[], dict] | None, idle_poll: float, capture: str | None,
+           commands: dict[str, Callable[[tuple], None]]) -> None:
     rids: dict[int, int] = {}  # front-end id -> engine request id
     counts_sent = 0.0
     fault = env.fault()
@@ -89,6 +93,8 @@ def _serve(engine: LLMEngine, conn, extra_stats: Callable[[], dict] | None, idle
                     engine.abort(eid)
             elif cmd[0] == "start_wave":
                 plane.join_wave(cmd[1])
+            elif cmd[0] in commands:
+                commands[cmd[0]](cmd)
             elif cmd[0] == "stop":
                 for eid in rids.values():
                     engine.abort(eid)

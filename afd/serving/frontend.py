@@ -193,15 +193,19 @@ class ClusterReplicas:
         return out
 
     def rank_info(self) -> list[dict]:
-        return [{"name": r.spec.name, "pid": r.ready.pid if r.ready else None, "state": "lost" if r.lost else "serving"}
+        return [{"name": r.spec.name, "pid": r.proc.pid if r.ready is None else r.ready.pid,
+                 "state": "lost" if r.lost else "serving" if r.joined and r.ready is not None else "starting"}
                 for r in self.cluster.ranks]
 
     def ffn_stats(self) -> dict[str, dict]:
-        return {r.spec.name: r.live_stats for r in self.cluster.ranks if r.live_stats is not None}
+        return {r.spec.name: r.live_stats for r in self.cluster.ranks if r.live_stats is not None and not r.lost}
 
     def ffn_losses(self) -> list[dict]:
         """The FFN ranks the run went on without (afd/engine/launcher.py)."""
         return list(self.cluster.ffn_losses)
+
+    def ffn_replacements(self) -> list[dict]:
+        return list(self.cluster.ffn_replacements)
 
     def close(self, timeout: float) -> None:
         """Stop serving on every attention rank, then stop every rank (idempotent after a failure)."""

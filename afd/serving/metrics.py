@@ -132,6 +132,9 @@ class _EngineCollector:
             lost = CounterMetricFamily("afd_ffn_ranks_lost", "FFN ranks the run went on without (died, or killed when found hung)")
             lost.add_metric([], len(losses()))
             yield lost
+            back = CounterMetricFamily("afd_ffn_replacements", "Replacement FFN ranks started after a loss and back in use")
+            back.add_metric([], len(self.frontend.replicas.ffn_replacements()))
+            yield back
         rows = GaugeMetricFamily("afd_ffn_mean_gemm_rows", "Mean rows per expert GEMM on each FFN rank", labels=["rank"])
         items = GaugeMetricFamily("afd_ffn_items_per_batch", "Mean non-empty parts (attention ranks) per computed union", labels=["rank"])
         batches = CounterMetricFamily("afd_ffn_batches", "(step, layer, micro-batch) unions computed", labels=["rank"])

@@ -43,6 +43,13 @@ class Server(ServerProcess):
         assert samples, f"metric {name} not exported"
         return sum(float(line.rsplit(" ", 1)[1]) for line in samples)
 
+    def rank_metric(self, name: str, rank: str) -> float:
+        """One sample of a metric with a ``rank`` label (0 when that rank has none yet)."""
+        for line in self.get("/metrics").text.splitlines():
+            if line.startswith(name + "{") and f'rank="{rank}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
     def rank_pids(self, prefix: str) -> list[int]:
         return [r["pid"] for r in self.get("/health").json()["ranks"] if r["name"].startswith(prefix)]
 

@@ -64,27 +64,29 @@ def test_an_ffn_rank_lost_under_load_costs_no_request_and_changes_no_text(sig):
         assert all(outcome == "done" for outcome, _ in reference.values()), reference
         ffn = s.rank_pids("ffn rank")
         assert len(ffn) == 2
-        lost_at: list = []
-        out = _run(s, fault=lambda: (lost_at.append(time.monotonic()), os.kill(ffn[1], sig)))
+        out = _run(s, fault=lambda: os.kill(ffn[1], sig))
         for i in range(STREAMS):
             assert out[i][0] == "done", out[i]
             assert out[i][1] == reference[i][1], f"stream {i} changed after the failover"
-        health = s.get("/health")
-        assert health.status_code == 200
-        states = {r["name"]: r["state"] for r in health.json()["ranks"]}
-        assert states["ffn rank 1"] == "lost" and states["ffn rank 0"] == "serving"
+        assert s.get("/health").status_code == 200
         assert s.metric("afd_ffn_ranks_lost_total") == 1 and s.metric("afd_connector_redispatched_total") >= 1
-        detected = time.monotonic() - lost_at[0]
-        assert detected < 60
         if sig == signal.SIGSTOP:  # found hung (2 s) and killed by the launcher, so no one waits on it again
             deadline = time.monotonic() + 10
-            while os.path.exists(f"/proc/{ffn[1]}") and _state(ffn[1]) != "Z" and time.monotonic() < deadline:
+            while _state(ffn[1]) not in ("Z", "gone") and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert not os.path.exists(f"/proc/{ffn[1]}") or _state(ffn[1]) == "Z"
-        rows = s.metric("afd_ffn_rows_total")
-        again = _run(s)  # the survivor serves every expert now
+            assert _state(ffn[1]) in ("Z", "gone")
+        # the launcher starts a replacement, which loads its experts and is linked back in
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and s.metric("afd_ffn_replacements_total", wait=0) < 1:
+            time.sleep(0.2)
+        assert s.metric("afd_ffn_replacements_total", wait=0) == 1
+        ranks = s.get("/health").json()["ranks"]
+        assert [(r["pid"], r["state"]) for r in ranks if r["name"] == "ffn rank 1"][0] == (ffn[1], "lost")
+        replacement = [r for r in ranks if r["name"] == "ffn rank 1" and r["state"] == "serving"]
+        assert len(replacement) == 1 and replacement[0]["pid"] != ffn[1]
+        again = _run(s)  # the replacement is back in use
         assert all(again[i] == reference[i] for i in range(STREAMS))
-        assert s.metric("afd_ffn_rows_total") > rows
+        assert s.rank_metric("afd_ffn_rows_total", "1") > 0  # its own counters: it computed rows
 
 
 def _state(pid: int) -> str:
