@@ -103,6 +103,7 @@ class DisaggregatedRunner:
         self.num_steps = 0  # model passes
         self.num_idle_steps = 0  # agreed steps without work here: no model pass
         self.num_degraded_steps = 0  # steps whose plan could not form the micro-batches asked for
+        self.on_placement = None  # called with the version when an agreed step switches the expert placement
 
     # ------------------------------------------------------------------ agreement
     @property
@@ -122,12 +123,14 @@ class DisaggregatedRunner:
         if self.plane is None or solo:
             epoch = 0 if self.plane is None else SOLO_EPOCH + self.endpoint.rank
             plan = local_plan(self._local_step, self.endpoint.rank, spans, self.pipeline, layers, self._cost(), epoch,
-                              self.endpoint.ready_mask)
+                              self.endpoint.ready_mask, self.endpoint.ready_placement if self.plane is None else -1)
             self._local_step += 1
         else:
-            plan = self.plane.agree(spans, self.pipeline, layers, self._cost(), self.endpoint.ready_mask)
-        if self.plane is None or not solo:  # a replacement FFN rank every member has links to is used from this step
-            self.endpoint.admit(plan.ffn_ready)
+            plan = self.plane.agree(spans, self.pipeline, layers, self._cost(), self.endpoint.ready_mask, self.endpoint.ready_placement)
+        if self.plane is None or not solo:  # what every member has ready is used from this step: a replacement FFN rank,
+            self.endpoint.admit(plan.ffn_ready)  # a new expert placement
+            if self.endpoint.use(plan.placement) and self.on_placement is not None:
+                self.on_placement(plan.placement)
         self.last_step = plan
         if self.trace is not None and plan.contributors:
             now = time.perf_counter()

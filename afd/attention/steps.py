@@ -25,7 +25,8 @@ done: the rank that got it asks for wave w (``need_wave``), the front end tells 
 every vote names it (:attr:`StepPlan.ffn_ready`, the AND of the votes), so every contributor sends
 it parts from the same step on and its unions complete. A lost FFN rank needs no agreement: each
 attention rank stops sending to it on its own (afd/connectors/endpoints.py), and the unions on the
-survivors do not depend on who else is alive.
+survivors do not depend on who else is alive. A new expert placement (a rebalance) is used the same
+way: from the first step whose every vote has it installed (:attr:`StepPlan.placement`, the lowest).
 
 **The epoch** is the membership the steps are agreed under: epoch 0 is every attention rank of the
 launch. A later change of membership (a failed or added rank) is a new epoch with its own members,
@@ -60,6 +61,7 @@ class StepPlan:
     votes: tuple[Spans, ...] = ()  # per member, in member order (the inputs of the decision)
     estimates: tuple[tuple[int, float], ...] = ()  # auto: the simulated step time of each m tried
     ffn_ready: int = -1  # FFN ranks every member has links to (the AND of the votes); -1: no restriction
+    placement: int = -1  # the expert placement version every member has installed (the lowest voted); -1: unchanged
 
     @property
     def mask(self) -> int:
@@ -72,7 +74,7 @@ class StepPlan:
 
 
 def decide(epoch: int, step: int, members: Sequence[int], votes: Sequence[Spans], pipeline: PipelineConfig,
-           num_layers: int, cost: CostModel, ffn_ready: Sequence[int] = ()) -> StepPlan:
+           num_layers: int, cost: CostModel, ffn_ready: Sequence[int] = (), placements: Sequence[int] = ()) -> StepPlan:
     """The step's plan from every member's vote: a pure function, so every member computes the same.
 
     m: 1 in sync mode; with ``auto``, the fastest m for the union of every contributor's chunks
@@ -82,11 +84,12 @@ def decide(epoch: int, step: int, members: Sequence[int], votes: Sequence[Spans]
     ready = -1
     for mask in ffn_ready:
         ready &= mask
+    version = min(placements, default=-1)
     contributors = tuple(r for r, v in zip(members, votes) if v)
     if not contributors:
-        return StepPlan(epoch, step, (), 0, 0, tuple(votes), ffn_ready=ready)
+        return StepPlan(epoch, step, (), 0, 0, tuple(votes), ffn_ready=ready, placement=version)
     if pipeline.mode == "sync":
-        return StepPlan(epoch, step, contributors, 1, 1, tuple(votes), ffn_ready=ready)
+        return StepPlan(epoch, step, contributors, 1, 1, tuple(votes), ffn_ready=ready, placement=version)
     estimates: tuple = ()
     if pipeline.adaptive:
         union = [span for v in votes for span in v]
@@ -95,7 +98,7 @@ def decide(epoch: int, step: int, members: Sequence[int], votes: Sequence[Spans]
     else:
         m = pipeline.effective_microbatches
     agreed = max(own_plan(v, m, pipeline, cost).num_microbatches for v in votes if v)
-    return StepPlan(epoch, step, contributors, agreed, m, tuple(votes), estimates, ready)
+    return StepPlan(epoch, step, contributors, agreed, m, tuple(votes), estimates, ready, version)
 
 
 def own_plan(spans: Spans, m: int, pipeline: PipelineConfig, cost: CostModel) -> MicrobatchPlan:
@@ -105,13 +108,13 @@ def own_plan(spans: Spans, m: int, pipeline: PipelineConfig, cost: CostModel) ->
     return plan_microbatches(spans, m, pipeline.split, cost, min_tokens)
 
 
-def encode_vote(spans: Spans, ffn_ready: int = -1) -> bytes:
-    return json.dumps([ffn_ready, spans], separators=(",", ":")).encode()
+def encode_vote(spans: Spans, ffn_ready: int = -1, placement: int = 0) -> bytes:
+    return json.dumps([ffn_ready, placement, spans], separators=(",", ":")).encode()
 
 
-def decode_vote(data: bytes) -> tuple[Spans, int]:
-    ffn_ready, spans = json.loads(data)
-    return tuple((int(a), int(b)) for a, b in spans), int(ffn_ready)
+def decode_vote(data: bytes) -> tuple[Spans, int, int]:
+    ffn_ready, placement, spans = json.loads(data)
+    return tuple((int(a), int(b)) for a, b in spans), int(ffn_ready), int(placement)
 
 
 class StepPlane:
@@ -141,18 +144,20 @@ class StepPlane:
         self.in_wave = True
         return True
 
-    def agree(self, spans: Spans, pipeline: PipelineConfig, num_layers: int, cost: CostModel, ffn_ready: int = -1) -> StepPlan:
-        """Vote ``spans`` (empty: no work) and the FFN ranks this rank has links to for the next step, and
-        return what every member agreed."""
+    def agree(self, spans: Spans, pipeline: PipelineConfig, num_layers: int, cost: CostModel, ffn_ready: int = -1,
+              placement: int = 0) -> StepPlan:
+        """Vote ``spans`` (empty: no work), the FFN ranks this rank has links to and the newest expert placement
+        it has installed for the next step, and return what every member agreed."""
         if not self.in_wave:
             raise RuntimeError(f"attention rank {self.rank}: a step outside a wave (a bug: every member must be in it)")
         s = self.step
-        self.store.set(self._key(s, self.rank), encode_vote(spans, ffn_ready))
+        self.store.set(self._key(s, self.rank), encode_vote(spans, ffn_ready, placement))
         raw = self.store.multi_get([self._key(s, r) for r in self.members])
         if s >= 3:  # every member has read step s - 2's votes before it could vote for s - 1
             self.store.delete_key(self._key(s - 2, self.rank))
         votes = [decode_vote(v) for v in raw]
-        plan = decide(self.epoch, s, self.members, [v for v, _ in votes], pipeline, num_layers, cost, [f for _, f in votes])
+        plan = decide(self.epoch, s, self.members, [v[0] for v in votes], pipeline, num_layers, cost, [v[1] for v in votes],
+                      [v[2] for v in votes])
         self.step += 1
         self.num_votes += 1
         self.num_idle_votes += not spans
@@ -166,7 +171,7 @@ SOLO_EPOCH = 0x8000  # + rank: the epoch of a rank's solo steps (a membership of
 
 
 def local_plan(step: int, rank: int, spans: Spans, pipeline: PipelineConfig, num_layers: int, cost: CostModel,
-               epoch: int = 0, ffn_ready: int = -1) -> StepPlan:
+               epoch: int = 0, ffn_ready: int = -1, placement: int = -1) -> StepPlan:
     """The plan of a rank that agrees with nobody: the only attention rank (epoch 0), or a solo step of
     one rank of several (a capture: its own epoch, ``SOLO_EPOCH + rank``, with its own step numbers)."""
-    return replace(decide(epoch, step, (rank,), (spans,), pipeline, num_layers, cost, (ffn_ready,)), votes=())
+    return replace(decide(epoch, step, (rank,), (spans,), pipeline, num_layers, cost, (ffn_ready,), (placement,)), votes=())

@@ -24,7 +24,7 @@ Bytes per token per MoE layer (wire dtype b bytes, hidden H, top-k k, F FFN rank
   otherwise routed there), plus one byte per row sent;
 * dense layer on the FFN side: ``2*H*b`` per token, to the rank of its row slice.
 
-Plus one header per message (58 bytes + 3 per tensor + 4 per dimension), and
+Plus one header per message (60 bytes + 3 per tensor + 4 per dimension), and
 one empty part per FFN rank that gets no row of a (step, layer, micro-batch).
 """
 
@@ -66,6 +66,7 @@ class DispatchHandle:
     is_moe: bool = True
     epoch: int = 0
     members: int = 0
+    placement: int = 0  # the placement version its copies were chosen under
     retries: int = 0  # times re-dispatched after an FFN rank failed
 
     @property
@@ -103,6 +104,8 @@ class AttentionEndpoint:
         self.joins: list[tuple[int, float]] = []  # (FFN rank, time.monotonic()) of every replacement admitted
         self._table = placement.copy_table(self.alive, self.device)
         self.failover = placement.redundant > 0 if failover is None else failover
+        self.placement_version = 0
+        self._placements = {0: placement}  # versions installed and not yet superseded (a rebalance in progress: two)
         self.timeout = timeout
         # several dispatches may be in flight (async micro-batches): results are matched by key
         self._handles: dict[tuple[int, int, int], DispatchHandle] = {}
@@ -145,6 +148,30 @@ class AttentionEndpoint:
         self.generation[rank] = generation
         log.warning("%s: linked to the replacement of %s (generation %d)", self.mailbox.name, self.mailbox.peer_name(rank), generation)
 
+    @property
+    def ready_placement(self) -> int:
+        """The newest placement version installed here (a step vote carries it; the agreed one is the lowest)."""
+        return max(self._placements)
+
+    def install(self, version: int, placement: ExpertPlacement) -> None:
+        """A rebalance: ``placement`` becomes usable as ``version`` (every FFN rank holds its copies already)."""
+        if version <= self.placement_version:
+            raise ValueError(f"placement version {version} is not newer than the one in use ({self.placement_version})")
+        placement.copy_table(self.alive)  # its experts must be servable by the live ranks
+        self._placements[version] = placement
+
+    def use(self, version: int) -> bool:
+        """Dispatch under placement ``version`` from now on (the step's agreement); True when it changed."""
+        if version == self.placement_version or version < 0:
+            return False
+        placement = self._placements[version]
+        self.placement, self.placement_version = placement, version
+        self._table = placement.copy_table(self.alive, self.device)
+        for old in [v for v in self._placements if v < version]:
+            del self._placements[old]
+        log.warning("%s: expert placement version %d in use: %s", self.mailbox.name, version, placement.describe())
+        return True
+
     def admit(self, ready: int) -> None:
         """Use the connected FFN ranks named in ``ready`` (the step's agreement) that are not in use yet."""
         new = [r for r in self.connected if ready >> r & 1 and r not in self.alive]
@@ -181,7 +208,7 @@ class AttentionEndpoint:
         if key in self._handles:
             raise ProtocolError(f"{self.mailbox.name}: dispatch of (seq {seq}, layer {layer}, micro-batch {microbatch}) twice")
         handle = DispatchHandle(seq, layer, microbatch, ffn_input.shape[0], {}, ffn_input=ffn_input, routing=routing, is_moe=is_moe,
-                                epoch=epoch, members=members or 1 << self.rank)
+                                epoch=epoch, members=members or 1 << self.rank, placement=self.placement_version)
         self._handles[key] = handle
         self._stash[key] = {}
         self._send(handle, retry=False)
@@ -248,7 +275,8 @@ class AttentionEndpoint:
             if retry and not len(rows):
                 continue
             header = Header(Kind.WORK, Role.ATTENTION, self.rank, r, handle.layer, handle.microbatch, handle.seq, len(rows),
-                            ops | Op.RETRY if retry else ops, (), epoch=handle.epoch, members=members, ffn_members=handle.ffn_members)
+                            ops | Op.RETRY if retry else ops, (), epoch=handle.epoch, members=members, ffn_members=handle.ffn_members,
+                            placement=handle.placement)
             try:
                 self.mailbox.send(r, make_message(header, tensors))
             except PeerDiedError as e:  # keep sending: the other ranks' unions need this rank's part
@@ -434,7 +462,7 @@ def parse_work(msg: Message, receiver: str) -> WorkItem:
 
 def result_message(work: Header, ffn_rank: int, output: torch.Tensor) -> Message:
     header = Header(Kind.RESULT, Role.FFN, ffn_rank, work.src_index, work.layer, work.microbatch, work.seq, output.shape[0], work.ops,
-                    (), epoch=work.epoch, members=work.members, ffn_members=work.ffn_members)
+                    (), epoch=work.epoch, members=work.members, ffn_members=work.ffn_members, placement=work.placement)
     return make_message(header, {TensorName.OUTPUT: output})
 
 

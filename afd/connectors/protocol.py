@@ -7,7 +7,7 @@ payload:
 
     magic 'AFD1' | version | kind | ops | src role | src index | dst index
     | layer | micro-batch | step | membership epoch | contributors | FFN members
-    | token count | tensor count | payload bytes
+    | placement version | token count | tensor count | payload bytes
 
 Pairing key: (source rank, step, layer, micro-batch). A receiver checks
 every field (:meth:`Header.expect`) and raises :class:`ProtocolError` naming
@@ -23,6 +23,8 @@ A work header also carries the FFN ranks the sender dispatched to (``ffn_members
 copy a row uses depends on which copies are alive (afd/distributed/placement.py), and a result is
 accepted only for the dispatch it answers. Work re-dispatched after an FFN rank failed carries
 ``Op.RETRY``: it is computed alone (its contributors are its sender only), never merged with a union.
+The placement version names the expert placement the sender chose copies under (a rebalance installs
+a new one at an agreed step; until every sender uses it, an FFN rank holds both).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ MAGIC = b"AFD1"
 PROTOCOL_VERSION = 3  # 2: membership epoch and contributors in every header; 3: FFN members, Op.RETRY
 MAX_ATTENTION_RANKS = 64  # the contributors bitmask is 64 bits
 
-_FIXED = struct.Struct("<4sHBBBHHiHQHQQIBQ")  # see module docstring, in order
+_FIXED = struct.Struct("<4sHBBBHHiHQHQQHIBQ")  # see module docstring, in order
 _TENSOR = struct.Struct("<BBB")  # name, dtype, ndim; then ndim x uint32 dims
 _DIM = struct.Struct("<I")
 
@@ -130,6 +132,7 @@ class Header:
     epoch: int = 0  # the membership epoch the step was agreed under
     members: int = 0  # bit a: attention rank a contributes to (step, micro-batch)
     ffn_members: int = 0  # bit f: the sender dispatched this (step, layer, micro-batch) to FFN rank f (work and its result)
+    placement: int = 0  # the expert placement version the copies were chosen under
 
     @property
     def source(self) -> str:
@@ -147,7 +150,7 @@ class Header:
         parts = [
             _FIXED.pack(
                 MAGIC, self.version, self.kind, self.ops, self.src_role, self.src_index, self.dst_index,
-                self.layer, self.microbatch, self.seq, self.epoch, self.members, self.ffn_members, self.num_tokens, len(self.tensors),
+                self.layer, self.microbatch, self.seq, self.epoch, self.members, self.ffn_members, self.placement, self.num_tokens, len(self.tensors),
                 self.payload_bytes,
             )
         ]
@@ -161,7 +164,7 @@ class Header:
         """Parse a header; returns it and its length in bytes. Raises ProtocolError on garbage."""
         if len(buf) < _FIXED.size:
             raise ProtocolError(f"{receiver}: truncated header ({len(buf)} bytes)")
-        (magic, version, kind, ops, role, src, dst, layer, mb, seq, epoch, members, ffn_members, ntok, ntensors,
+        (magic, version, kind, ops, role, src, dst, layer, mb, seq, epoch, members, ffn_members, placement, ntok, ntensors,
          payload) = _FIXED.unpack_from(buf, 0)
         if magic != MAGIC:
             raise ProtocolError(f"{receiver}: bad magic {bytes(magic)!r} (expected {MAGIC!r}): corrupted or foreign message")
@@ -187,7 +190,7 @@ class Header:
             ops = _op(ops)
         except ValueError:
             raise ProtocolError(f"{receiver}: unknown ops {ops} from {sender}") from None
-        header = cls(kind, role, src, dst, layer, mb, seq, ntok, ops, tuple(specs), version, epoch, members, ffn_members)
+        header = cls(kind, role, src, dst, layer, mb, seq, ntok, ops, tuple(specs), version, epoch, members, ffn_members, placement)
         if header.payload_bytes != payload:
             raise ProtocolError(
                 f"{receiver}: header from {sender} declares {payload} payload bytes but its tensor table sums to {header.payload_bytes}"
@@ -221,7 +224,7 @@ def make_message(header: Header, tensors: dict[TensorName, torch.Tensor]) -> Mes
     specs = tuple(TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
     # positional construction: dataclasses.replace introspects the fields on every call (~10 us)
     return Message(Header(h.kind, h.src_role, h.src_index, h.dst_index, h.layer, h.microbatch, h.seq, h.num_tokens, h.ops, specs,
-                          h.version, h.epoch, h.members, h.ffn_members), dict(tensors))
+                          h.version, h.epoch, h.members, h.ffn_members, h.placement), dict(tensors))
 
 
 def encode(message: Message) -> tuple[bytes, list[torch.Tensor]]:

@@ -75,6 +75,13 @@ def build_launch_order(topology: Topology, roles: tuple[Role, ...] = (Role.FFN, 
     return [(role, i) for role, i in order if role in roles]
 
 
+def _imbalance(placement, load: Sequence[float]) -> float:
+    """Max over mean of the FFN ranks' expected load under ``placement`` (1.0: balanced)."""
+    ranks = placement.rank_load(load, len(placement.ranks))
+    mean = sum(ranks) / len(ranks)
+    return max(ranks) / mean if mean else 1.0
+
+
 def exit_reason(code: int | None) -> str:
     if code is None:
         return "still running"
@@ -101,9 +108,16 @@ class _Rank:
     final_stats: Any = None  # what the rank said on exit (FFN: items, batches, mean expert GEMM rows)
     live_stats: Any = None  # the latest counters an FFN rank reported while serving
 
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+
     @property
     def sentinel(self):
         return getattr(self.proc, "sentinel", None)
+
+    def send(self, msg: tuple) -> None:
+        """Send one command (from any thread: the front end's and the launcher's watching share the pipe)."""
+        with self.send_lock:
+            self.conn.send(msg)
 
 
 class Cluster:
@@ -159,6 +173,10 @@ class Cluster:
         self.ffn_replacements: list[dict] = []  # every replacement back in use: rank, pid, generation, seconds to join
         self.max_replacements = 3  # per FFN rank, over the run
         self.replace_ffn = True  # start a replacement for every lost FFN rank
+        self.placement_version = 0  # of self.placement: a rebalance counts it up
+        self.rebalances: list[dict] = []  # every rebalance done: version, load max/mean before and after, seconds
+        self._rebalance: dict | None = None  # the one in progress
+        self._deferred: list[_Rank] = []  # lost FFN ranks to replace once the rebalance in progress is done
         self._started = False
 
     def describe_limits(self) -> str:
@@ -204,6 +222,7 @@ class Cluster:
                     list(self.placement.experts_of(rank.spec.index)), alive)
         if self.replace_ffn:
             self._replace(rank)
+        self._advance_rebalance()  # a rebalance waits no longer for it
 
     def _ffn_reported_lost(self, index: int, generation: int, reason: str, by: _Rank) -> None:
         """An attention rank stopped using an FFN rank (dead, or silent past the link timeout): a hung one
@@ -303,6 +322,9 @@ class Cluster:
         agreement then takes it back (afd/attention/steps.py)."""
         from afd.connectors.shm import create_links
 
+        if self._rebalance is not None:  # it would start on the placement being replaced
+            self._deferred.append(lost)
+            return
         index = lost.spec.index
         tries = sum(1 for r in self.ranks if r.spec.role == Role.FFN and r.spec.index == index) - 1
         if self._closed or tries > self.max_replacements:
@@ -312,14 +334,15 @@ class Cluster:
         link = lost.spec.link
         create_links(self.run_dir, self.topology.num_attention_ranks, self.topology.num_ffn_ranks, link.num_slots, link.slot_bytes,
                      ffn_ranks=[index], generation=generation)
-        rank = self._spawn(replace(lost.spec, generation=generation), joined=False, started_at=time.monotonic())
+        rank = self._spawn(replace(lost.spec, generation=generation, placement=self.placement, placement_version=self.placement_version),
+                           joined=False, started_at=time.monotonic())
         log.warning("run %s: starting a replacement for ffn rank %d (pid %d, generation %d)", self.run_id, index, rank.proc.pid, generation)
 
     def _replacement_event(self, r: _Rank, msg: tuple) -> None:
         """A replacement's progress: weights loaded (attention ranks link to it), then every attention rank linked."""
         if msg[0] == "loaded":
             for a in self.attention_ranks():
-                a.conn.send(("ffn_join", r.spec.index, r.spec.generation))
+                a.send(("ffn_join", r.spec.index, r.spec.generation))
             return
         target = next((f for f in self.ranks if f.spec.role == Role.FFN and f.spec.index == msg[1] and f.spec.generation == msg[2]), None)
         if target is None or target.lost:
@@ -335,6 +358,78 @@ class Cluster:
                                           "seconds": took, "at": time.time()})
             log.warning("run %s: ffn rank %d replaced (pid %d, generation %d) in %.1f s: back in use from the next step",
                         self.run_id, target.spec.index, target.proc.pid, target.spec.generation, took)
+
+    # ------------------------------------------------------------------ rebalancing
+    def expert_load(self) -> list[float]:
+        """Tokens routed to each logical expert so far, summed over layers and FFN ranks (their latest counters)."""
+        load = [0.0] * self.placement.num_experts
+        for r in self.ranks:
+            if r.spec.role == Role.FFN and r.live_stats is not None:
+                for (_, e), n in r.live_stats.get("expert_tokens", {}).items():
+                    load[e] += n
+        return load
+
+    def rebalance(self, load: Sequence[float] | None = None) -> dict:
+        """Recompute the expert placement from measured per-expert load (default: :meth:`expert_load`) and
+        move to it while serving: every FFN rank loads its new copies from the checkpoint beside the old ones,
+        then every attention rank installs the placement and the step agreement switches at the first step
+        every vote has it (the work header's placement version says which copies a part was cut for).
+        Returns what was decided; the move completes in the background (:attr:`rebalances`)."""
+        from afd.distributed.placement import ExpertPlacement
+
+        if self._rebalance is not None:
+            raise RuntimeError(f"a rebalance to placement version {self._rebalance['version']} is in progress")
+        if any(not r.joined for r in self.ranks if r.spec.role == Role.FFN and not r.lost):
+            raise RuntimeError("a replacement FFN rank is starting: rebalance once it is back in use")
+        if self.topology.num_ffn_ranks < 2:
+            raise RuntimeError("one FFN rank holds every expert: there is nothing to rebalance")
+        load = list(self.expert_load() if load is None else load)
+        new = ExpertPlacement.from_load(load, self.topology.num_ffn_ranks, self.placement.redundant)
+        live = self._live_ffn()
+        if self.placement.orphans(live) or new.orphans(live):
+            raise RuntimeError(f"a rebalance needs every expert on a live FFN rank (live: {live})")
+        decision = {"version": self.placement_version + 1, "before": _imbalance(self.placement, load), "after": _imbalance(new, load),
+                    "placement": new.describe(), "changed": new != self.placement}
+        if not decision["changed"]:
+            return decision
+        self._rebalance = {**decision, "new": new, "ready": set(), "in_use": set(), "started": time.monotonic()}
+        for r in self.ranks:
+            if r.spec.role == Role.FFN and not r.lost:
+                r.send(("placement", decision["version"], new))
+        log.warning("run %s: rebalancing to placement version %d (load max/mean %.2f -> %.2f): %s", self.run_id, decision["version"],
+                    decision["before"], decision["after"], new.describe())
+        return decision
+
+    def _live_ffn(self) -> list[int]:
+        return sorted({r.spec.index for r in self.ranks if r.spec.role == Role.FFN and not r.lost and r.joined})
+
+    def _rebalance_event(self, r: _Rank, msg: tuple) -> None:
+        rb = self._rebalance
+        if rb is None or msg[1] != rb["version"]:
+            return
+        if msg[0] == "placement_ready":
+            rb["ready"].add(r.spec.index)
+        else:
+            rb["in_use"].add(self.attention_ranks().index(r))
+        self._advance_rebalance()
+
+    def _advance_rebalance(self) -> None:
+        rb = self._rebalance
+        if rb is None:
+            return
+        if "sent" not in rb and set(self._live_ffn()) <= rb["ready"]:
+            rb["sent"] = time.monotonic()
+            for a in self.attention_ranks():
+                a.send(("placement", rb["version"], rb["new"]))
+        if len(rb["in_use"]) == len(self.attention_ranks()):
+            self.placement, self.placement_version = rb["new"], rb["version"]
+            took = time.monotonic() - rb["started"]
+            self.rebalances.append({k: rb[k] for k in ("version", "before", "after", "placement")} | {"seconds": took, "at": time.time()})
+            self._rebalance = None
+            log.warning("run %s: placement version %d in use on every rank after %.1f s", self.run_id, rb["version"], took)
+            for lost in self._deferred:
+                self._replace(lost)
+            self._deferred.clear()
 
     # ------------------------------------------------------------------ watching
     def _poll(self, deadline: float, waiting_for: str, max_wait: float = 0.5) -> list[tuple[_Rank, tuple]]:
@@ -379,6 +474,8 @@ class Cluster:
                     self._ffn_reported_lost(msg[1], msg[2], msg[3], r)
                 elif msg[0] in ("loaded", "ffn_joined", "ffn_join_failed"):
                     self._replacement_event(r, msg)
+                elif msg[0] in ("placement_ready", "placement_in_use"):
+                    self._rebalance_event(r, msg)
                 else:
                     got.append((r, msg))
         for r in self.ranks:
@@ -461,7 +558,7 @@ class Cluster:
         if len(commands) != len(ranks):
             raise ValueError(f"{len(commands)} commands for {len(ranks)} attention ranks")
         for r, command in zip(ranks, commands):
-            r.conn.send(command)
+            r.send(command)
         replies: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         while len(replies) < len(ranks):
@@ -473,7 +570,7 @@ class Cluster:
     def request(self, rank: int, command: tuple, reply: str, timeout: float = 600.0):
         """Send one command to an attention rank and wait for its reply (tests, stats, capture)."""
         target = self.attention_ranks()[rank]
-        target.conn.send(command)
+        target.send(command)
         deadline = time.monotonic() + timeout
         while True:
             for r, msg in self._poll(deadline, reply):
@@ -498,7 +595,7 @@ class Cluster:
             for r in self.attention_ranks():
                 try:
                     if r.ready is not None:
-                        r.conn.send(("shutdown",))
+                        r.send(("shutdown",))
                 except (OSError, BrokenPipeError):
                     pass
             # read last words while waiting: a rank blocked writing a large "bye" into a full pipe

@@ -14,9 +14,10 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -68,6 +69,7 @@ class RankSpec:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     steps: tuple[str, int] | None = None  # (host, port) of the step agreement's store; None: one attention rank
     generation: int = 0  # > 0: the generation-th replacement of a lost FFN rank (links of its own)
+    placement_version: int = 0  # of ``placement`` (a replacement started after a rebalance holds a later one)
 
     @property
     def name(self) -> str:
@@ -205,6 +207,12 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
             endpoint.admit(endpoint.ready_mask)
         conn.send(("ffn_joined", cmd[1], cmd[2]))
 
+    def placement(cmd) -> None:  # ("placement", version, ExpertPlacement): every FFN rank holds its copies; vote it
+        endpoint.install(cmd[1], cmd[2])
+
+    runner.on_placement = lambda version: conn.send(("placement_in_use", version))
+    own = {"ffn_join": ffn_join, "placement": placement}
+
     conn.send(("ready", ready))
     try:
         while True:
@@ -214,10 +222,9 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
 
                 runner.pipeline = cmd[1] or spec.pipeline
                 options = cmd[2] if len(cmd) > 2 else {}
-                serve_requests(engine, conn, lambda: _link_stats(mailbox, endpoint), capture=options.get("capture"),
-                               commands={"ffn_join": ffn_join})
-            elif cmd[0] == "ffn_join":
-                ffn_join(cmd)
+                serve_requests(engine, conn, lambda: _link_stats(mailbox, endpoint), capture=options.get("capture"), commands=own)
+            elif cmd[0] in own:
+                own[cmd[0]](cmd)
             elif cmd[0] == "pipeline":
                 runner.pipeline = cmd[1]
                 conn.send(("pipeline", cmd[1]))
@@ -294,16 +301,51 @@ def _ffn_main(spec: RankSpec, conn, hub) -> None:
     mailbox.jitter = env.send_jitter()
     conn.send(("ready", ready))
     try:
-        worker = FFNWorker(model, mailbox, spec.topology.num_attention_ranks, placement=spec.placement)
+        worker = FFNWorker(model, mailbox, spec.topology.num_attention_ranks, placement=spec.placement,
+                           placement_version=spec.placement_version)
+        send = _locked(conn)  # the worker loop and the rebalance loader both report
+        threading.Thread(target=_rebalance_loader, args=(spec, conn, send, worker), name=f"{spec.name} rebalance", daemon=True).start()
+        worker.on_installed = lambda version: send(("placement_ready", version))
         worker.delay = env.ffn_delay()
         fault = env.fault()
         if fault is not None and fault[0] in ("ffn-kill", "ffn-hang") and spec.index == spec.topology.num_ffn_ranks - 1:
             worker.fault = (signal.SIGKILL if fault[0] == "ffn-kill" else signal.SIGSTOP, fault[1])
         # live counters for a server's /metrics: at most once a second, and only when they changed
         # (an idle run sends nothing, so nothing piles up in a pipe nobody reads)
-        worker.on_tick = lambda: conn.send(("ffn_stats", worker.live_stats()))
+        worker.on_tick = lambda: send(("ffn_stats", worker.live_stats()))
         mailbox.start_heartbeats(spec.link.heartbeat_interval, spec.link.link_timeout, only_to=worker.owes)
         worker.serve()
-        conn.send(("bye", worker.stats()))
+        send(("bye", worker.stats()))
     finally:
         mailbox.close()
+
+
+def _locked(conn):
+    lock = threading.Lock()
+
+    def send(msg) -> None:
+        with lock:
+            conn.send(msg)
+
+    return send
+
+
+def _rebalance_loader(spec: RankSpec, conn, send, worker: FFNWorker) -> None:
+    """An FFN rank's commands from the launcher, off the worker loop: ("placement", version, ExpertPlacement)
+    loads this rank's copies of the new placement from the checkpoint (fp8 included, as at start) while the
+    loop serves the old one; the loop installs them between two rounds and reports ("placement_ready", v)."""
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] != "placement":
+                raise ValueError(f"unknown FFN rank command {cmd[0]!r}")
+            version, placement = cmd[1], cmd[2]
+            t0 = time.monotonic()
+            model, _ = _load(replace(spec, placement=placement))
+            log.warning("%s: loaded the experts %s of placement version %d in %.1f s", spec.name, list(placement.experts_of(spec.index)),
+                        version, time.monotonic() - t0)
+            worker.offer(version, model, placement)
+    except (EOFError, OSError):
+        return  # the launcher is gone or the rank is exiting
+    except BaseException as e:  # noqa: BLE001 - a failed load must reach the launcher
+        send(("error", f"{spec.name} (pid {os.getpid()}) failed to load a new expert placement: {e}", traceback.format_exc()))

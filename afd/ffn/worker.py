@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ class _Union:
     members: int  # contributor bitmask
     ops: Op
     parts: dict[int, WorkItem] = field(default_factory=dict)  # attention rank -> its part
+    placement: int = 0  # the placement version every part was dispatched under
 
     @property
     def is_whole(self) -> bool:
@@ -59,12 +61,20 @@ class _Union:
 
 class FFNWorker:
     def __init__(self, model: MoEModel, mailbox: Mailbox, num_attention_ranks: int, poll_interval: float = 1.0,
-                 placement: ExpertPlacement | None = None) -> None:
-        self.model = model
+                 placement: ExpertPlacement | None = None, placement_version: int = 0) -> None:
+        self.model = model  # the newest placement version's experts
         self.placement = placement  # with redundant copies: the gate's slots this rank keeps depend on it
-        self._tables: dict[int, CopyTable] = {}  # FFN members mask -> the copy choice under it
+        self.placement_version = placement_version
+        # placement version -> (its experts, the placement): during a rebalance two, until every sender uses the new one
+        self.versions: dict[int, tuple[MoEModel, ExpertPlacement | None]] = {placement_version: (model, placement)}
+        self._offered: queue.Queue = queue.Queue()  # (version, model, placement) loaded by another thread, installed between rounds
+        self.on_installed = None  # called with the version once its experts are usable here
+        self._newest_seen: dict[int, int] = {}  # attention rank -> the newest placement version it sent work under
+        self._retired_counts: dict[tuple[int, int], int] = {}  # per-expert tokens of the experts of retired versions
+        self._tables: dict[tuple[int, int], CopyTable] = {}  # (placement version, FFN members mask) -> the copy choice
         self.mailbox = mailbox
         self._held = torch.tensor(model.expert_ids, device=mailbox.device)  # the expert ids this rank computes
+        self._first_model = model
         self.num_attention_ranks = num_attention_ranks
         self.poll_interval = poll_interval
         self.items_served = 0  # non-empty parts computed
@@ -92,15 +102,16 @@ class FFNWorker:
         self._ticked_at = 0.0
         self._ticked_batches = 0
 
-    def compute(self, layer: int, ops: Op, hidden: torch.Tensor, routing, shared_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def compute(self, layer: int, ops: Op, hidden: torch.Tensor, routing, shared_rows: torch.Tensor | None = None,
+                model: MoEModel | None = None) -> torch.Tensor:
         """One union's FFN half: hidden [N, H] -> [N, H]; ``shared_rows`` [N] bool: where this rank adds
-        the shared experts (their rows' slice)."""
-        m = self.model
+        the shared experts (their rows' slice). ``model``: the experts of the union's placement version."""
+        m = model or self.model
         if Op.DENSE in ops:
             return m.dense_mlp(layer, hidden)
         if Op.ROUTE in ops:
             routing = m.router(layer, hidden)
-        self._count_gemms(routing.topk_ids)
+        self._count_gemms(routing.topk_ids, m)
         out = m.experts(layer, hidden, routing)
         if Op.SHARED in ops and shared_rows is not None:
             rows = shared_rows.nonzero().squeeze(1)
@@ -110,8 +121,9 @@ class FFNWorker:
                     out = out.index_add(0, rows, shared.to(out.dtype))
         return out
 
-    def _count_gemms(self, ids: torch.Tensor) -> None:
-        mine = ids[torch.isin(ids, self._held.to(ids.dtype))]
+    def _count_gemms(self, ids: torch.Tensor, model: MoEModel) -> None:
+        held = self._held if model is self._first_model else torch.tensor(model.expert_ids, device=ids.device)
+        mine = ids[torch.isin(ids, held.to(ids.dtype))]
         if mine.numel():
             counts = torch.bincount(mine)
             self.expert_gemms += int((counts > 0).sum())
@@ -156,19 +168,24 @@ class FFNWorker:
         """Keep one part; the union's key and parts when this part made it whole."""
         h = item.header
         key = (h.epoch, h.seq, h.layer, h.microbatch)
+        if h.placement not in self.versions:
+            raise ProtocolError(f"{self.mailbox.name}: work from {h.source} under expert placement version {h.placement}; this rank "
+                                f"holds versions {sorted(self.versions)}")
+        if h.placement > self._newest_seen.get(h.src_index, -1):
+            self._newest_seen[h.src_index] = h.placement
         if Op.RETRY in h.ops:  # whole at once: its own union
             self.retries += 1
             self.arrivals.append((h.src_index, h.seq, h.layer, h.microbatch))
             self.owed[h.src_index] = self.owed.get(h.src_index, 0) + 1
-            return (*key, 1 + h.src_index), _Union(h.members, h.ops, {h.src_index: item})
+            return (*key, 1 + h.src_index), _Union(h.members, h.ops, {h.src_index: item}, h.placement)
         union = self._unions.get(key)
         if union is None:
-            union = self._unions[key] = _Union(h.members, h.ops)
-        elif (union.members, union.ops) != (h.members, h.ops):
+            union = self._unions[key] = _Union(h.members, h.ops, placement=h.placement)
+        elif (union.members, union.ops, union.placement) != (h.members, h.ops, h.placement):
             raise ProtocolError(
                 f"{self.mailbox.name}: work from {h.source} for (epoch {h.epoch}, seq {h.seq}, layer {h.layer}, micro-batch "
-                f"{h.microbatch}) names contributors {_ranks(h.members)} and ops {int(h.ops)}; other parts said "
-                f"{_ranks(union.members)} and {int(union.ops)}"
+                f"{h.microbatch}) names contributors {_ranks(h.members)}, ops {int(h.ops)} and placement {h.placement}; other "
+                f"parts said {_ranks(union.members)}, {int(union.ops)} and {union.placement}"
             )
         union.parts[h.src_index] = item
         self.arrivals.append((h.src_index, h.seq, h.layer, h.microbatch))
@@ -186,6 +203,8 @@ class FFNWorker:
         open_ranks = set(range(self.num_attention_ranks))
         while open_ranks:
             self._tick()
+            self._install_offered()
+            self._retire(open_ranks)
             msg = self.mailbox.recv(self.poll_interval)
             if msg is None:
                 self.mailbox.check_silence()  # idle is not failure; a silent attention rank is
@@ -223,6 +242,37 @@ class FFNWorker:
             for key, union in sorted(whole, key=lambda kv: kv[0]):
                 self._serve_union(key[2], union)
 
+    def offer(self, version: int, model: MoEModel, placement: ExpertPlacement) -> None:
+        """A rebalance (any thread): the experts of placement ``version``, loaded; installed between two rounds."""
+        self._offered.put((version, model, placement))
+
+    def _install_offered(self) -> None:
+        while not self._offered.empty():
+            version, model, placement = self._offered.get()
+            self.versions[version] = (model, placement)
+            self.model, self.placement, self.placement_version = model, placement, version
+            log.warning("%s: experts of placement version %d installed: %s", self.mailbox.name, version, list(model.expert_ids))
+            if self.on_installed is not None:
+                self.on_installed(version)
+
+    def _retire(self, open_ranks: set[int]) -> None:
+        """Drop the experts of versions no sender uses any more (every open one sent work under a newer one)."""
+        if len(self.versions) < 2 or not open_ranks:
+            return
+        oldest_used = min(self._newest_seen.get(a, 0) for a in open_ranks)
+        for v in [v for v in self.versions if v < oldest_used]:
+            model, _ = self.versions.pop(v)
+            for key, n in model.expert_token_counts().items():
+                self._retired_counts[key] = self._retired_counts.get(key, 0) + n
+
+    def expert_token_counts(self) -> dict[tuple[int, int], int]:
+        """Tokens each (layer, expert) has computed on this rank, over every placement version it held."""
+        counts = dict(self._retired_counts)
+        for model, _ in self.versions.values():
+            for key, n in model.expert_token_counts().items():
+                counts[key] = counts.get(key, 0) + n
+        return counts
+
     def owes(self, attention_rank: int) -> bool:
         """Whether results are still owed to this attention rank (it waits, so it reads its link)."""
         return self.owed.get(attention_rank, 0) > 0
@@ -242,7 +292,7 @@ class FFNWorker:
                 "items_per_batch": self.items_served / max(1, self.batches), "expert_gemms": self.expert_gemms,
                 "mean_gemm_rows": self.mean_gemm_rows, "busy_s": self.busy_s, "busy_cpu_s": self.busy_cpu_s,
                 "straggler_wait_s": self.straggler_wait_s, "tokens_by_rank": dict(self.tokens_by_rank), "retries": self.retries,
-                "expert_tokens": self.model.expert_token_counts()}
+                "expert_tokens": self.expert_token_counts(), "placement_version": self.placement_version}
 
     def _serve_union(self, layer: int, union: _Union) -> None:
         arrived = [it.received_at for it in union.parts.values()]
@@ -257,9 +307,10 @@ class FFNWorker:
         shared = torch.cat([it.shared_rows for it in items]) if items[0].shared_rows is not None else None
         t0, c0 = time.perf_counter(), time.thread_time()
         ops = union.ops
-        if Op.ROUTE in ops and self.placement is not None and self.placement.redundant:
-            routing, ops = self._own_slots(layer, hidden, items), ops & ~Op.ROUTE
-        out = self.compute(layer, ops, hidden, routing, shared).to(hidden.dtype)
+        model, placement = self.versions[union.placement]
+        if Op.ROUTE in ops and placement is not None and placement.redundant:
+            routing, ops = self._own_slots(layer, hidden, items, model, union.placement), ops & ~Op.ROUTE
+        out = self.compute(layer, ops, hidden, routing, shared, model).to(hidden.dtype)
         if self.delay:  # an injected slow FFN side counts as compute time
             time.sleep(self.delay)
         t1 = time.perf_counter()
@@ -278,17 +329,18 @@ class FFNWorker:
             self.tokens_served += n
             self.tokens_by_rank[h.src_index] = self.tokens_by_rank.get(h.src_index, 0) + n
 
-    def _own_slots(self, layer: int, hidden: torch.Tensor, items: list[WorkItem]) -> Routing:
+    def _own_slots(self, layer: int, hidden: torch.Tensor, items: list[WorkItem], model: MoEModel, version: int) -> Routing:
         """The gate here, with redundant copies: route the union, keep the slots whose chosen copy is this rank
         (the key of a row: its index in its part plus its sender; the copies alive under the part's FFN members)."""
-        routing = self.model.router(layer, hidden)
+        routing = model.router(layer, hidden)
+        placement = self.versions[version][1]
         owners = []
         start = 0
         for it in items:
             h, n = it.header, it.hidden.shape[0]
-            table = self._tables.get(h.ffn_members)
+            table = self._tables.get((version, h.ffn_members))
             if table is None:
-                table = self._tables[h.ffn_members] = self.placement.copy_table(mask_ranks(h.ffn_members), hidden.device)
+                table = self._tables[(version, h.ffn_members)] = placement.copy_table(mask_ranks(h.ffn_members), hidden.device)
             keys = torch.arange(n, device=hidden.device) + h.src_index
             owners.append(table.owner(routing.topk_ids[start : start + n], keys))
             start += n

@@ -162,7 +162,6 @@ class ClusterReplicas:
 
             self.router = PrefixRouter(self.num, cluster.engine.block_size, cluster.limits.num_blocks,
                                        cluster.engine.max_num_batched_tokens)
-        self._lock = threading.Lock()
         self._wave = -1  # the last wave of agreed steps started on every rank
 
     def start(self) -> None:
@@ -171,8 +170,7 @@ class ClusterReplicas:
             self.send(i, ("serve", self.pipeline, options))
 
     def send(self, replica: int, cmd: tuple) -> None:
-        with self._lock:
-            self.cluster.attention_ranks()[replica].conn.send(cmd)
+        self.cluster.attention_ranks()[replica].send(cmd)
 
     def poll(self, timeout: float) -> list[tuple[int, tuple]]:
         from afd.engine.launcher import RankFailedError
@@ -206,6 +204,13 @@ class ClusterReplicas:
 
     def ffn_replacements(self) -> list[dict]:
         return list(self.cluster.ffn_replacements)
+
+    def rebalance(self) -> dict:
+        """Recompute the expert placement from the measured load and move to it (afd/engine/launcher.py)."""
+        return self.cluster.rebalance()
+
+    def rebalances(self) -> list[dict]:
+        return list(self.cluster.rebalances)
 
     def close(self, timeout: float) -> None:
         """Stop serving on every attention rank, then stop every rank (idempotent after a failure)."""

@@ -135,6 +135,13 @@ class _EngineCollector:
             back = CounterMetricFamily("afd_ffn_replacements", "Replacement FFN ranks started after a loss and back in use")
             back.add_metric([], len(self.frontend.replicas.ffn_replacements()))
             yield back
+            done = self.frontend.replicas.rebalances()
+            moves = CounterMetricFamily("afd_rebalances", "Expert placements recomputed from measured load and moved to")
+            moves.add_metric([], len(done))
+            yield moves
+            version = GaugeMetricFamily("afd_placement_version", "The expert placement version every rank uses")
+            version.add_metric([], done[-1]["version"] if done else 0)
+            yield version
         rows = GaugeMetricFamily("afd_ffn_mean_gemm_rows", "Mean rows per expert GEMM on each FFN rank", labels=["rank"])
         items = GaugeMetricFamily("afd_ffn_items_per_batch", "Mean non-empty parts (attention ranks) per computed union", labels=["rank"])
         batches = CounterMetricFamily("afd_ffn_batches", "(step, layer, micro-batch) unions computed", labels=["rank"])

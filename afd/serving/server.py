@@ -2,7 +2,8 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with server-sent-event
 streaming), ``POST /tokenize``, ``POST /detokenize``, ``GET /v1/models``, ``GET /version``,
-``GET /health``, ``GET /metrics``, ``GET /openapi.json`` (the request models' schema).
+``GET /health``, ``GET /metrics``, ``GET /openapi.json`` (the request models' schema), and
+``POST /rebalance`` (a disaggregated server: move the expert placement to the measured load).
 
 Requests follow OpenAI's and vLLM's schemas (afd/serving/protocol.py says what is implemented,
 what is accepted only at its no-op value, and that unknown fields are ignored). Every error is an
@@ -139,6 +140,17 @@ def create_app(state: ServerState) -> FastAPI:
         if fe.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok", "in_flight": fe.num_in_flight, "ranks": fe.replicas.rank_info()}
+
+    @app.post("/rebalance")
+    async def rebalance():
+        """Recompute the expert placement from the measured per-expert load and move to it while serving."""
+        move = getattr(state.frontend.replicas, "rebalance", None)
+        if move is None:
+            raise APIError(400, "a monolithic server has no FFN ranks to rebalance", "invalid_request_error")
+        try:
+            return move()
+        except RuntimeError as e:
+            raise APIError(409, str(e), "conflict")
 
     @app.get("/metrics")
     async def prometheus():

@@ -56,9 +56,11 @@ def _run(s: Server, fault=None) -> dict:
     return out
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "hang"])
-def test_an_ffn_rank_lost_under_load_costs_no_request_and_changes_no_text(sig):
-    with Server(*REDUNDANT) as s:
+@pytest.mark.parametrize("sig, attention", [(signal.SIGKILL, 1), (signal.SIGSTOP, 1), (signal.SIGKILL, 2)],
+                         ids=["kill", "hang", "kill-2-attention-ranks"])
+def test_an_ffn_rank_lost_under_load_costs_no_request_and_changes_no_text(sig, attention):
+    """Two attention ranks: the loss is seen by each on its own, the replacement is taken back at an agreed step."""
+    with Server(*REDUNDANT[:1], str(attention), *REDUNDANT[2:]) as s:
         assert any("every expert is on at least two FFN ranks" in line for line in s.stderr + s.stdout)
         reference = _run(s)
         assert all(outcome == "done" for outcome, _ in reference.values()), reference
@@ -99,3 +101,38 @@ def _state(pid: int) -> str:
 def test_without_redundancy_the_start_says_an_ffn_failure_stops_the_server():
     with Server("--attention-ranks", "1", "--ffn-ranks", "2") as s:
         assert any("no redundancy: an FFN failure stops the server" in line for line in s.stderr + s.stdout)
+
+
+def _rows_by_rank(s: Server) -> list[float]:
+    return [s.rank_metric("afd_ffn_rows_total", str(r)) for r in range(2)]
+
+
+def _imbalance(before: list[float], after: list[float]) -> float:
+    delta = [b - a for a, b in zip(before, after)]
+    return max(delta) / (sum(delta) / len(delta))
+
+
+def test_a_rebalance_while_serving_lowers_the_max_over_mean_ffn_load_and_changes_no_text():
+    """A placement skewed against the load (every expert on FFN rank 0, one copy of expert 0 on rank 1):
+    the rebalance packs copies by measured load, at an agreed step, with the new copies loaded from the
+    checkpoint while the old ones serve."""
+    with Server("--attention-ranks", "1", "--ffn-ranks", "2", "--placement", "0-7:0,0:1") as s:
+        reference = _run(s)
+        assert all(outcome == "done" for outcome, _ in reference.values()), reference
+        rows = _rows_by_rank(s)
+        second = _run(s)
+        before = _imbalance(rows, _rows_by_rank(s))
+        decision = s.post("/rebalance").json()
+        assert decision["changed"] and decision["after"] < decision["before"], decision
+        pending = _run(s)  # requests served while the move happens
+        deadline = time.monotonic() + 60
+        while s.metric("afd_placement_version", wait=0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert s.metric("afd_placement_version") == 1 and s.metric("afd_rebalances_total") == 1
+        rows = _rows_by_rank(s)
+        after_run = _run(s)
+        after = _imbalance(rows, _rows_by_rank(s))
+        assert after < before and after < 1.3, (before, after)
+        for run in (second, pending, after_run):
+            assert all(run[i] == reference[i] for i in range(STREAMS))
+        assert s.post("/rebalance").status_code == 200  # again, on the new load: allowed, nothing in progress
