@@ -29,8 +29,13 @@ survivors do not depend on who else is alive. A new expert placement (a rebalanc
 way: from the first step whose every vote has it installed (:attr:`StepPlan.placement`, the lowest).
 
 **The epoch** is the membership the steps are agreed under: epoch 0 is every attention rank of the
-launch. A later change of membership (a failed or added rank) is a new epoch with its own members,
-not a change to the step protocol.
+launch. A later change of membership is a new epoch with its own members, not a change to the step
+protocol. **A lost member**: the launcher writes the dead attention ranks to the store
+(``afd/steps/dead``). A member waiting for a vote that does not come looks there; a dead member whose
+vote for this step is absent *after* the mark was written never votes again (it wrote before it died,
+and the mark after), so every survivor decides the same: the step goes on in epoch e + 1 without it.
+A vote it wrote before dying is read by everyone, and it counts as an idle voter's or a contributor's
+(the FFN ranks complete unions without a dead contributor's parts).
 
 The votes travel through a ``torch.distributed.TCPStore`` the launcher hosts: per step, one ``set``
 and one ``multi_get`` per rank (and a ``delete`` of the step before last).
@@ -128,14 +133,48 @@ class StepPlane:
         self.store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout))
         self.rank, self.members, self.epoch = rank, tuple(members), epoch
+        self.timeout = timeout
+        self._mine: list[str] = []  # this rank's vote keys, oldest first (each deleted two steps later)
         self.step = 1  # the next step to agree (numbered from 1)
         self.in_wave = False
         self.waves_done = 0
         self.num_votes = 0
         self.num_idle_votes = 0  # steps this rank voted without work (it ran no model pass)
+        self.num_epochs_changed = 0  # members lost
 
     def _key(self, step: int, rank: int) -> str:
         return f"afd/steps/e{self.epoch}/s{step}/a{rank}"
+
+    def _read_votes(self, s: int) -> list[bytes]:
+        """Every member's vote for step s; a member marked dead whose vote is absent leaves (a new epoch)."""
+        import torch.distributed as dist
+
+        waited = 0.0
+        while True:
+            keys = [self._key(s, r) for r in self.members]
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=VOTE_POLL_S))
+                return self.store.multi_get(keys)
+            except (dist.DistStoreError, RuntimeError):  # not every vote yet
+                waited += VOTE_POLL_S
+            dead = self.dead_members()
+            gone = [r for r in self.members if r in dead and r != self.rank and not self.store.check([self._key(s, r)])]
+            if gone:
+                self.members = tuple(r for r in self.members if r not in gone)
+                self.epoch += 1
+                self.store.set(self._key(s, self.rank), self.store.get(self._mine[-1]))  # this step's vote, in the new epoch
+                self._mine.append(self._key(s, self.rank))
+                self.num_epochs_changed += 1
+                continue
+            if waited > self.timeout:
+                raise TimeoutError(f"attention rank {self.rank}: no vote for step {s} from attention ranks "
+                                   f"{[r for r in self.members if not self.store.check([self._key(s, r)])]} within {self.timeout:.0f} s")
+
+    def dead_members(self) -> set[int]:
+        """The attention ranks the launcher marked dead."""
+        if not self.store.check([DEAD_KEY]):
+            return set()
+        return set(json.loads(self.store.get(DEAD_KEY)))
 
     def join_wave(self, wave: int) -> bool:
         """Join wave ``wave`` unless it is done already (a start that arrives late); True if joined."""
@@ -151,10 +190,12 @@ class StepPlane:
         if not self.in_wave:
             raise RuntimeError(f"attention rank {self.rank}: a step outside a wave (a bug: every member must be in it)")
         s = self.step
-        self.store.set(self._key(s, self.rank), encode_vote(spans, ffn_ready, placement))
-        raw = self.store.multi_get([self._key(s, r) for r in self.members])
-        if s >= 3:  # every member has read step s - 2's votes before it could vote for s - 1
-            self.store.delete_key(self._key(s - 2, self.rank))
+        key = self._key(s, self.rank)
+        self.store.set(key, encode_vote(spans, ffn_ready, placement))
+        self._mine.append(key)
+        raw = self._read_votes(s)
+        if len(self._mine) >= 3:  # every member has read step s - 2's votes before it could vote for s - 1
+            self.store.delete_key(self._mine.pop(0))
         votes = [decode_vote(v) for v in raw]
         plan = decide(self.epoch, s, self.members, [v[0] for v in votes], pipeline, num_layers, cost, [v[1] for v in votes],
                       [v[2] for v in votes])
@@ -168,6 +209,8 @@ class StepPlane:
 
 
 SOLO_EPOCH = 0x8000  # + rank: the epoch of a rank's solo steps (a membership of one)
+DEAD_KEY = "afd/steps/dead"  # JSON list of the attention ranks the launcher found dead
+VOTE_POLL_S = 0.2  # a wait for votes looks for dead members this often
 
 
 def local_plan(step: int, rank: int, spans: Spans, pipeline: PipelineConfig, num_layers: int, cost: CostModel,

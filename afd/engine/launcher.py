@@ -173,6 +173,8 @@ class Cluster:
         self.ffn_replacements: list[dict] = []  # every replacement back in use: rank, pid, generation, seconds to join
         self.max_replacements = 3  # per FFN rank, over the run
         self.replace_ffn = True  # start a replacement for every lost FFN rank
+        self.replica_failover = True  # a lost attention rank's requests move to another (A >= 2, shm)
+        self.replica_losses: list[dict] = []
         self.placement_version = 0  # of self.placement: a rebalance counts it up
         self.rebalances: list[dict] = []  # every rebalance done: version, load max/mean before and after, seconds
         self._rebalance: dict | None = None  # the one in progress
@@ -212,6 +214,26 @@ class Cluster:
             return True
         alive = [r.spec.index for r in self.ranks if r.spec.role == Role.FFN and not r.lost and r.joined and r is not rank]
         return bool(alive) and not self.placement.orphans(alive)
+
+    def _replica_survivable(self, rank: _Rank) -> bool:
+        """An attention rank's loss is survived when another one serves (its requests move there) on the shm
+        transport, once serving began."""
+        if rank.spec.role != Role.ATTENTION or not self._started or not self.replica_failover or self.topology.transport != "shm":
+            return False
+        return any(not r.lost for r in self.attention_ranks() if r is not rank)
+
+    def _lose_replica(self, rank: _Rank, cause: str) -> None:
+        """Mark an attention rank dead where the step agreement looks (its peers go on in a new epoch)."""
+        import json
+
+        from afd.attention.steps import DEAD_KEY
+
+        rank.lost = rank.done = True
+        dead = sorted(self.attention_ranks().index(r) for r in self.attention_ranks() if r.lost)
+        if self._steps_store is not None:
+            self._steps_store.set(DEAD_KEY, json.dumps(dead))
+        self.replica_losses.append({"rank": rank.spec.index, "pid": rank.proc.pid, "cause": cause, "at": time.time()})
+        log.warning("run %s: %s: its requests move to the other attention ranks; the steps go on without it", self.run_id, cause)
 
     def _lose_ffn(self, rank: _Rank, cause: str) -> None:
         rank.lost = rank.done = True
@@ -476,6 +498,15 @@ class Cluster:
                     self._replacement_event(r, msg)
                 elif msg[0] in ("placement_ready", "placement_in_use"):
                     self._rebalance_event(r, msg)
+                elif msg[0] == "attention_silent":  # an FFN rank found an attention rank hung
+                    target = self.attention_ranks()[msg[1]]
+                    if target.lost or target.done:
+                        continue
+                    if self._replica_survivable(target) and target.proc.is_alive():
+                        log.warning("run %s: %s; killing it (pid %d): its requests move", self.run_id, msg[2], target.proc.pid)
+                        os.kill(target.proc.pid, signal.SIGKILL)  # our own child, by PID; its sentinel does the rest
+                    else:
+                        failures.append((0, msg[2], ""))
                 else:
                     got.append((r, msg))
         for r in self.ranks:
@@ -486,6 +517,10 @@ class Cluster:
                 cause = f"{r.spec.name} (pid {r.proc.pid}) died: {exit_reason(r.proc.exitcode)}"
                 if self._survivable(r):
                     self._lose_ffn(r, cause)
+                    continue
+                if self._replica_survivable(r):
+                    self._lose_replica(r, cause)
+                    got.append((r, ("replica_lost", cause)))
                     continue
                 r.failed = True
                 failures.append((0, cause, ""))

@@ -102,7 +102,12 @@ class LLMEngine:
         return engine
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, tag: int | None = None) -> int:
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, tag: int | None = None,
+                    output_ids: Sequence[int] = ()) -> int:
+        """``output_ids``: a request moved here from a lost replica, with the tokens it already streamed.
+        They count as output (max_tokens, min_tokens, penalties, a seeded request's next draw) and are
+        recomputed with the prompt; only the tokens after them are produced (and its prompt logprobs,
+        sent already, are not)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass token ids")
@@ -118,16 +123,21 @@ class LLMEngine:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{what}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        bad = [t for t in output_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"output_ids: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens does not fit the model's context of {self.max_model_len} tokens"
             )
         generator = make_generator(params.seed) if params.seed is not None else None  # None: the engine's stream
-        request = Request(next(self._ids), text, prompt_ids, params, generator)
+        request = Request(next(self._ids), text, prompt_ids, params, generator, output_ids=list(output_ids))
         request.tag = request.request_id if tag is None else tag
         if self.detokenize:
             request.text = OutputText(self.tokenizer, params)
-        if params.prompt_logprobs is not None:
+            for token in output_ids:
+                request.text.add(token)
+        if params.prompt_logprobs is not None and not output_ids:
             request.prompt_logprobs = [None]  # the first prompt token has no context to be predicted from
         max_total = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         self.scheduler.add(request, max_total)

@@ -306,6 +306,7 @@ def _ffn_main(spec: RankSpec, conn, hub) -> None:
         send = _locked(conn)  # the worker loop and the rebalance loader both report
         threading.Thread(target=_rebalance_loader, args=(spec, conn, send, worker), name=f"{spec.name} rebalance", daemon=True).start()
         worker.on_installed = lambda version: send(("placement_ready", version))
+        worker.on_attention_silent = lambda rank, reason: send(("attention_silent", rank, reason))
         worker.delay = env.ffn_delay()
         fault = env.fault()
         if fault is not None and fault[0] in ("ffn-kill", "ffn-hang") and spec.index == spec.topology.num_ffn_ranks - 1:

@@ -39,6 +39,19 @@ def make_generator(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
+_MASK63 = (1 << 63) - 1
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The seed of a seeded request's draw of output token ``index``: a pure function of (seed, index)
+    (splitmix64-style mixing), so a request resumed elsewhere with its first ``index`` tokens draws the
+    rest exactly as it would have."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (z ^ (z >> 31)) & _MASK63
+
+
 @dataclass(slots=True)
 class PenaltyState:
     """What the penalties need of one request, kept as it generates (none for requests without
@@ -195,10 +208,13 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: frozenset
             drawn = torch.multinomial(probs[together], 1, generator=shared).squeeze(1).tolist()
             for j, token in zip(together, drawn):
                 tokens[sampled[j]] = token
-        for j, i in enumerate(sampled):  # each seeded request from its own stream, over the row's support only
-            if rows[i].generator is not None:
+        for j, i in enumerate(sampled):  # each seeded request from its own seed per token, over the row's support only
+            r = rows[i]
+            if r.generator is not None:
+                if r.params.seed is not None:  # a request's seed: one per token, so a resumed request draws on unchanged
+                    r.generator.manual_seed(token_seed(r.params.seed, len(r.output_ids)))
                 support = probs[j].nonzero().squeeze(1)
-                tokens[i] = int(support[torch.multinomial(probs[j, support], 1, generator=rows[i].generator)])
+                tokens[i] = int(support[torch.multinomial(probs[j, support], 1, generator=r.generator)])
     return tokens
 
 

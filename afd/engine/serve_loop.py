@@ -6,7 +6,8 @@ pipe), so the front end talks to every replica the same way.
 
 Commands (front end -> replica):
     ("add", rid, prompt_ids, SamplingParams)   rid: the front end's request id
-    ("adds", [(rid, prompt_ids, SamplingParams)])  the requests the front end took in one event-loop turn
+    ("adds", [(rid, prompt_ids, SamplingParams[, output_ids])])  the requests the front end took in one event-loop turn
+                                               (output_ids: a request moved from a lost replica, what it streamed)
     ("abort", rid)                             the client went away: free its blocks
     ("start_wave", w)                          every attention rank joins wave w of agreed steps
     ("ffn_join", f, g)                         an attention rank: link to FFN rank f's replacement (generation g)
@@ -82,9 +83,9 @@ def _serve(engine: LLMEngine, conn, extra_stats: Callable[[], dict] | None, idle
             cmd = conn.recv()
             changed = True
             if cmd[0] in ("add", "adds"):
-                for rid, prompt_ids, params in (cmd[1] if cmd[0] == "adds" else [cmd[1:]]):
+                for rid, prompt_ids, params, *resume in (cmd[1] if cmd[0] == "adds" else [cmd[1:]]):
                     try:
-                        rids[rid] = engine.add_request(prompt_ids, params, tag=rid)
+                        rids[rid] = engine.add_request(prompt_ids, params, tag=rid, output_ids=resume[0] if resume else ())
                     except ValueError as e:
                         conn.send(("rejected", rid, str(e)))
             elif cmd[0] == "abort":

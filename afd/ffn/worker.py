@@ -37,12 +37,14 @@ import torch
 
 from afd.connectors.endpoints import WorkItem, error_message, parse_work, result_message
 from afd.connectors.protocol import Header, Kind, Op, ProtocolError, Role, make_message
-from afd.connectors.transport import Mailbox
+from afd.connectors.transport import Mailbox, PeerDiedError, PeerSilentError
 from afd.distributed.placement import CopyTable, ExpertPlacement, mask_ranks
 from afd.models.base import MoEModel
 from afd.types import Routing
 
 log = logging.getLogger(__name__)
+
+SILENCE_CHECK_S = 0.25  # while busy, the attention ranks' silence is checked at most this often
 
 
 @dataclass(slots=True)
@@ -54,9 +56,9 @@ class _Union:
     parts: dict[int, WorkItem] = field(default_factory=dict)  # attention rank -> its part
     placement: int = 0  # the placement version every part was dispatched under
 
-    @property
-    def is_whole(self) -> bool:
-        return len(self.parts) == self.members.bit_count()
+    def is_whole(self, lost: int = 0) -> bool:
+        """Every contributor's part is here, but for those of the lost attention ranks (bitmask ``lost``)."""
+        return all(a in self.parts for a in _ranks(self.members & ~lost))
 
 
 class FFNWorker:
@@ -84,6 +86,11 @@ class FFNWorker:
         self.expert_gemms = 0  # expert GEMM pairs run
         self.expert_gemm_rows = 0  # rows over all of them
         self.retries = 0  # re-dispatched parts computed (Op.RETRY)
+        self.lost_attention = 0  # bitmask of attention ranks that died (their parts never come)
+        self._open: set[int] = set()
+        self.on_attention_silent = None  # called with (attention rank, reason) when one is found hung
+        self._checked_at = 0.0
+        self._late: list = []
         self.max_drain = 256
         self.delay = 0.0  # seconds slept per batch: a slow FFN side, for tests and benchmarks
         self.fault: tuple[int, int] | None = None  # tests (AFD_FAULT=ffn-kill|ffn-hang@N): (signal, n): raise it at the n-th work part
@@ -193,29 +200,78 @@ class FFNWorker:
             self.owed[h.src_index] = self.owed.get(h.src_index, 0) + 1
         else:
             self.empty_parts += 1
-        if union.is_whole:
+        if union.is_whole(self.lost_attention):
             return key, self._unions.pop(key)
         return None
+
+    def _check_silence(self, open_ranks: set[int]) -> list:
+        """A hung attention rank (silent past the link timeout): reported, then treated as lost; the unions
+        that makes whole. Without a report callback (ranks as threads) the run fails, naming it."""
+        self._checked_at = time.monotonic()
+        try:
+            self.mailbox.check_silence()
+        except PeerSilentError as e:
+            if e.peer is None or self.on_attention_silent is None:
+                raise
+            self.on_attention_silent(e.peer, str(e))  # the launcher kills it (its requests move), or fails the run
+            return self._attention_lost(e.peer, open_ranks)
+        return []
+
+    def _attention_lost(self, rank: int, open_ranks: set[int]) -> list:
+        """An attention rank's link closed without a SHUTDOWN: it died. It sends no more parts, so every
+        union waiting on it is whole without it (its rows are independent of the others'); the unions that
+        now are, to compute. Its own parts are computed with them, their results dropped."""
+        log.warning("%s: lost %s; completing the unions that waited on it", self.mailbox.name, self.mailbox.peer_name(rank))
+        self.mailbox.forget(rank)
+        open_ranks.discard(rank)
+        self.lost_attention |= 1 << rank
+        self.owed.pop(rank, None)
+        whole = [(key, u) for key, u in self._unions.items() if u.is_whole(self.lost_attention)]
+        for key, _ in whole:
+            del self._unions[key]
+        return whole
 
     @torch.inference_mode()
     def serve(self) -> None:
         """Serve until every attention rank has said SHUTDOWN."""
-        open_ranks = set(range(self.num_attention_ranks))
+        open_ranks = self._open = set(range(self.num_attention_ranks))
         while open_ranks:
+            late, self._late = self._late, []  # unions a lost attention rank made whole while answering
+            for key, union in sorted(late, key=lambda kv: kv[0]):
+                self._serve_union(key[2], union)
             self._tick()
             self._install_offered()
             self._retire(open_ranks)
-            msg = self.mailbox.recv(self.poll_interval)
+            whole = []
+            try:
+                msg = self.mailbox.recv(self.poll_interval)
+            except PeerDiedError as e:
+                if e.peer is None:
+                    raise
+                whole = self._attention_lost(e.peer, open_ranks)
+                msg = None
             if msg is None:
-                self.mailbox.check_silence()  # idle is not failure; a silent attention rank is
+                if not whole:
+                    whole = self._check_silence(open_ranks)  # idle is not failure; a silent attention rank is
+                for key, union in sorted(whole, key=lambda kv: kv[0]):
+                    self._serve_union(key[2], union)
                 continue
             batch = [msg]
             while len(batch) < self.max_drain:  # everything already waiting joins this round
-                more = self.mailbox.recv(0.0)
+                try:
+                    more = self.mailbox.recv(0.0)
+                except PeerDiedError as e:
+                    if e.peer is None:
+                        raise
+                    whole += self._attention_lost(e.peer, open_ranks)
+                    break
                 if more is None:
+                    # nothing left unread: a peer's silence is real now (the others' heartbeats keep the
+                    # receive above from ever timing out, so a hung one is found here too)
+                    if time.monotonic() - self._checked_at > SILENCE_CHECK_S:
+                        whole += self._check_silence(open_ranks)
                     break
                 batch.append(more)
-            whole = []
             for msg in batch:
                 h = msg.header
                 if h.kind == Kind.SHUTDOWN:  # the mailbox stopped listening to it as it read this
@@ -322,7 +378,17 @@ class FFNWorker:
         for it in items:
             n = it.hidden.shape[0]
             h = it.header
-            self.mailbox.send(h.src_index, result_message(h, self.mailbox.index, out[start : start + n]))
+            if self.lost_attention >> h.src_index & 1:  # computed with the others; nobody to answer
+                start += n
+                continue
+            try:
+                self.mailbox.send(h.src_index, result_message(h, self.mailbox.index, out[start : start + n]))
+            except PeerDiedError as e:  # it died since it sent this part
+                if e.peer is None:
+                    raise
+                self._late += self._attention_lost(e.peer, self._open)
+                start += n
+                continue
             self.owed[h.src_index] -= 1
             start += n
             self.items_served += 1

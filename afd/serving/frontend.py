@@ -169,8 +169,16 @@ class ClusterReplicas:
             options = {"capture": str(Path(self.capture_dir) / f"attention-rank-{i}.safetensors")} if self.capture_dir else {}
             self.send(i, ("serve", self.pipeline, options))
 
+    @property
+    def lost(self) -> set[int]:
+        """Replicas (attention ranks) the run goes on without."""
+        return {i for i, r in enumerate(self.cluster.attention_ranks()) if r.lost}
+
     def send(self, replica: int, cmd: tuple) -> None:
-        self.cluster.attention_ranks()[replica].send(cmd)
+        rank = self.cluster.attention_ranks()[replica]
+        if rank.lost:  # its requests were moved; an abort or a wave for it has nobody to reach
+            return
+        rank.send(cmd)
 
     def poll(self, timeout: float) -> list[tuple[int, tuple]]:
         from afd.engine.launcher import RankFailedError
@@ -185,7 +193,7 @@ class ClusterReplicas:
                 if msg[1] > self._wave:
                     self._wave = msg[1]
                     for i in range(self.num):
-                        self.send(i, ("start_wave", msg[1]))
+                        self.send(i, ("start_wave", msg[1]))  # not to a lost one (send skips it)
             else:
                 out.append((replica, msg))
         return out
@@ -197,6 +205,9 @@ class ClusterReplicas:
 
     def ffn_stats(self) -> dict[str, dict]:
         return {r.spec.name: r.live_stats for r in self.cluster.ranks if r.live_stats is not None and not r.lost}
+
+    def replica_losses(self) -> list[dict]:
+        return list(self.cluster.replica_losses)
 
     def ffn_losses(self) -> list[dict]:
         """The FFN ranks the run went on without (afd/engine/launcher.py)."""
@@ -224,7 +235,7 @@ class ClusterReplicas:
                 for i in range(self.num):
                     self.send(i, ("stop",))
                 deadline = time.monotonic() + timeout
-                stopped: set[int] = set()
+                stopped: set[int] = set(self.lost)
                 while len(stopped) < self.num and time.monotonic() < deadline:
                     stopped |= {i for i, msg in self.cluster.poll(0.2) if msg[0] == "stopped"}
             except Exception as e:  # noqa: BLE001 - a rank failing while stopping: shutdown still runs
@@ -242,6 +253,10 @@ class _Stream:
     queue: asyncio.Queue
     num_prompt_tokens: int
     text: OutputText | None = None  # its output text, worked out here (the engine sends token ids)
+    prompt_ids: list[int] = field(default_factory=list)
+    params: SamplingParams | None = None
+    token_ids: list[int] = field(default_factory=list)  # what it streamed: a move to another replica resumes from it
+    moves: int = 0
     created: float = field(default_factory=time.perf_counter)
     last_token_at: float | None = None
     finished: bool = False
@@ -297,12 +312,14 @@ class Frontend:
             raise ServiceUnavailable("the server is shutting down")
         rid = next(self._ids)
         router = getattr(self.replicas, "router", None)
+        loads = self._live_loads()
         if router is not None:
-            replica = router.choose(prompt_ids, self._load)
+            replica = router.choose(prompt_ids, loads)
         else:
-            replica = min(range(self.replicas.num), key=lambda i: self._load[i])
+            replica = min(range(self.replicas.num), key=lambda i: loads[i])
         text = OutputText(self.tokenizer, params) if self.tokenizer is not None else None
-        stream = _Stream(rid, replica, len(prompt_ids) + params.max_tokens, asyncio.Queue(), len(prompt_ids), text)
+        stream = _Stream(rid, replica, len(prompt_ids) + params.max_tokens, asyncio.Queue(), len(prompt_ids), text,
+                         prompt_ids=list(prompt_ids), params=params)
         self._streams[rid] = stream
         self._load[replica] += stream.load
         if self.metrics is not None:
@@ -320,15 +337,45 @@ class Frontend:
                     return
         finally:
             self._streams.pop(rid, None)
-            self._load[replica] -= stream.load
+            self._load[stream.replica] -= stream.load  # where it is now (a lost replica's requests move)
             if not stream.finished:
                 if self.failure is None and outcome != "rejected":
                     try:
-                        self.replicas.send(replica, ("abort", rid))
+                        self.replicas.send(stream.replica, ("abort", rid))
                     except OSError:
                         pass
                 if self.metrics is not None:
                     self.metrics.request_finished(outcome, stream)
+
+    def _live_loads(self) -> list[float]:
+        lost = getattr(self.replicas, "lost", ())
+        return [float("inf") if i in lost else load for i, load in enumerate(self._load)]
+
+    def _move_from(self, lost: int, cause: str) -> None:
+        """A replica died: every request it held goes to the least-loaded live one, as its prompt plus the
+        tokens it streamed (recomputed there; the client sees no error and no repeated text). Event loop."""
+        live = [i for i in range(self.replicas.num) if i not in getattr(self.replicas, "lost", ())]
+        if not live:
+            self._fail(cause)
+            return
+        pending = self._adds.pop(lost, [])
+        pending_ids = {r[0] for r in pending}
+        moved = 0
+        for stream in list(self._streams.values()):
+            if stream.replica != lost or stream.finished or stream.stopped:
+                continue
+            loads = self._live_loads()
+            target = min(live, key=lambda i: loads[i])
+            self._load[lost] -= stream.load
+            self._load[target] += stream.load
+            stream.replica = target
+            stream.moves += 1
+            moved += 1
+            resume = () if stream.rid in pending_ids else tuple(stream.token_ids)
+            self._add(target, (stream.rid, stream.prompt_ids, stream.params, list(resume)))
+        if self.metrics is not None:
+            self.metrics.requests_moved.inc(moved)
+        log.warning("replica %d lost (%s): %d requests moved to replicas %s", lost, cause, moved, live)
 
     def _add(self, replica: int, request: tuple) -> None:
         """Queue a request for its replica; what arrives in one turn of the event loop goes as one message,
@@ -360,9 +407,12 @@ class Frontend:
                 self._fail(f"front end failed: {e}")
                 return
             batch = []  # everything of this round reaches the event loop in one wake-up, not one per token
+            lost = []
             for replica, msg in events:
                 kind = msg[0]
-                if kind == "deltas":
+                if kind == "replica_lost":
+                    lost.append((replica, msg[1]))
+                elif kind == "deltas":
                     self._update_stats(replica, msg[2])
                     for d in msg[1]:
                         if (d := self._with_text(replica, d)) is not None:
@@ -373,11 +423,15 @@ class Frontend:
                     self._update_stats(replica, msg[1])
             if batch:
                 self.loop.call_soon_threadsafe(self._put_all, batch)
+            for replica, cause in lost:  # after the deltas it sent before it died
+                self.loop.call_soon_threadsafe(self._move_from, replica, cause)
 
     def _with_text(self, replica: int, d: TokenDelta) -> TokenDelta | None:
         """The delta with the text its token makes visible, and the end a stop string makes (then the
         engine is told to abort the request); None for a token after that end. Pump thread."""
         stream = self._streams.get(d.tag)
+        if stream is not None and d.token_id is not None and not stream.stopped:
+            stream.token_ids.append(d.token_id)
         if stream is None or stream.text is None:
             return d
         if stream.stopped:

@@ -25,6 +25,8 @@ class Metrics:
         self.itl = Histogram("afd_inter_token_latency_seconds", "Time between a request's tokens", buckets=LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("afd_request_latency_seconds", "Request latency, end to end", buckets=LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("afd_requests_in_flight", "Requests the front end is serving", registry=r)
+        self.requests_moved = Counter("afd_requests_moved", "Requests moved from a lost replica to another (resumed from what "
+                                      "they had streamed)", registry=r)
 
     def bind(self, frontend) -> None:
         """Export the replicas' and ranks' counters, read from ``frontend`` at each scrape."""
@@ -127,6 +129,11 @@ class _EngineCollector:
                 stale.add_metric([str(i)], s["connector_stale_results"])
         yield redo
         yield stale
+        replica_losses = getattr(self.frontend.replicas, "replica_losses", None)
+        if replica_losses is not None:
+            gone = CounterMetricFamily("afd_replicas_lost", "Attention ranks the run went on without (their requests moved)")
+            gone.add_metric([], len(replica_losses()))
+            yield gone
         losses = getattr(self.frontend.replicas, "ffn_losses", None)
         if losses is not None:
             lost = CounterMetricFamily("afd_ffn_ranks_lost", "FFN ranks the run went on without (died, or killed when found hung)")

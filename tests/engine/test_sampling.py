@@ -146,6 +146,27 @@ def test_seeded_draws_do_not_depend_on_the_batch():
     assert len(set(alone)) > 1  # it really sampled
 
 
+def test_a_seeded_request_resumed_elsewhere_draws_what_it_would_have():
+    """A request's seed gives one seed per output token (token_seed): a fresh row -- a new engine, another
+    replica -- holding the first k tokens draws token k as the original row does, and the draws still vary."""
+    torch.manual_seed(0)
+    logits = torch.randn(40, 64) * 2
+    params = SamplingParams(temperature=1.0, seed=7, presence_penalty=0.3)
+    original = Row(params, [2, 3], [], make_generator(7))
+    for t in range(40):
+        token = sample(logits[[t]], [original], EOS)[0]
+        original.output_ids.append(token)
+        original.penalty.add(token)
+    for k in (0, 5, 23):
+        resumed = Row(params, [2, 3], list(original.output_ids[:k]), make_generator(12345))  # its own, unrelated state
+        for t in range(k, 40):
+            token = sample(logits[[t]], [resumed], EOS)[0]
+            assert token == original.output_ids[t], (k, t)
+            resumed.output_ids.append(token)
+            resumed.penalty.add(token)
+    assert len(set(original.output_ids)) > 5
+
+
 @pytest.mark.parametrize("stream", ["own", "shared"])
 def test_draw_frequencies_follow_the_processed_distribution(stream):
     """A seeded request draws from its own stream; requests without a seed draw in one batched call from
