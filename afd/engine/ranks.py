@@ -309,7 +309,8 @@ def _ffn_main(spec: RankSpec, conn, hub) -> None:
         worker.on_attention_silent = lambda rank, reason: send(("attention_silent", rank, reason))
         worker.delay = env.ffn_delay()
         fault = env.fault()
-        if fault is not None and fault[0] in ("ffn-kill", "ffn-hang") and spec.index == spec.topology.num_ffn_ranks - 1:
+        if (fault is not None and fault[0] in ("ffn-kill", "ffn-hang") and spec.index == spec.topology.num_ffn_ranks - 1
+                and spec.generation == 0):  # not its replacement
             worker.fault = (signal.SIGKILL if fault[0] == "ffn-kill" else signal.SIGSTOP, fault[1])
         # live counters for a server's /metrics: at most once a second, and only when they changed
         # (an idle run sends nothing, so nothing piles up in a pipe nobody reads)

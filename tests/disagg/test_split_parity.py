@@ -61,6 +61,18 @@ def test_loopback_full_product(references, case, a, f):
             check_cluster(cluster, model, ref_values, ref_logits, gate)
 
 
+@pytest.mark.parametrize("case", ["ds-qlora-grouped-yarn", "qwen3-norm-topk"])
+def test_redundant_experts_split_equals_monolithic(references, case):
+    """Every setting with every expert on two of three FFN ranks: whichever copy computes a row (the copy
+    choice runs on the attention side, or on the FFN side with the gate there), the split equals the model."""
+    path, model, ref_values, ref_logits = references[case]
+    for gate, dense_on, shared_on in SETTINGS:
+        t = topology(2, 3, transport="loopback", gate=gate, dense_on=dense_on, shared_experts_on=shared_on, redundant_experts=8)
+        with Cluster(path, t, ENGINE, pipeline=PipelineConfig("async", 2, "token")) as cluster:
+            assert cluster.placement.single_copy() == ()
+            check_cluster(cluster, model, ref_values, ref_logits, gate)
+
+
 REAL = [  # (transport, A, F, case, gate, dense_on, shared_on): every topology x transport once, every setting at least once
     ("shm", 1, 1, "builtin", "attention", "attention", "attention"),
     ("shm", 2, 1, "qwen3-norm-topk", "ffn", "ffn", "attention"),
@@ -72,6 +84,7 @@ REAL = [  # (transport, A, F, case, gate, dense_on, shared_on): every topology x
     ("torch", 1, 2, "qwen3-norm-topk", "attention", "attention", "attention"),
     ("torch", 3, 2, "builtin", "attention", "ffn", "attention"),
     ("torch", 2, 3, "ds-qlora-grouped-yarn", "ffn", "attention", "ffn"),
+    ("shm-redundant", 2, 3, "builtin", "attention", "attention", "ffn"),  # every expert on two FFN ranks, as real processes
 ]
 
 
@@ -82,7 +95,9 @@ def test_real_processes(references, transport, a, f, case, gate, dense_on, share
         ref_values, ref_logits = support.monolithic_capture(model, PROMPTS)
     else:
         path, model, ref_values, ref_logits = references[case]
-    t = topology(a, f, transport=transport, gate=gate, dense_on=dense_on, shared_experts_on=shared_on)
+    redundant = 8 if transport.endswith("-redundant") else 0
+    t = topology(a, f, transport=transport.removesuffix("-redundant"), gate=gate, dense_on=dense_on, shared_experts_on=shared_on,
+                 redundant_experts=redundant)
     with Cluster(path, t, ENGINE, pipeline=PipelineConfig("sync")) as cluster:
         assert all(r.ready.pid != 0 for r in cluster.ranks) and len(set(cluster.pids())) == a + f
         check_cluster(cluster, model, ref_values, ref_logits, gate)
