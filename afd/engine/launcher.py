@@ -506,7 +506,7 @@ class Cluster:
                         log.warning("run %s: %s; killing it (pid %d): its requests move", self.run_id, msg[2], target.proc.pid)
                         os.kill(target.proc.pid, signal.SIGKILL)  # our own child, by PID; its sentinel does the rest
                     else:
-                        failures.append((0, msg[2], ""))
+                        failures.append((0, f"{r.spec.name} (pid {r.proc.pid}) reports: {msg[2]}", ""))
                 else:
                     got.append((r, msg))
         for r in self.ranks:
@@ -626,6 +626,9 @@ class Cluster:
         if self._closed:
             return
         self._closed = True
+        for r in self.ranks:  # a replacement still starting has no link to be told SHUTDOWN on
+            if not r.joined and not r.lost and r.proc.is_alive() and not isinstance(r.proc, threading.Thread):
+                r.proc.terminate()
         if graceful:
             for r in self.attention_ranks():
                 try:

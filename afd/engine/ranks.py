@@ -177,8 +177,12 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
     # timeout is only the backstop for a peer that beats but never answers (a bug), so it is long
     endpoint = AttentionEndpoint(mailbox, t, spec.placement, max(COMBINE_BACKSTOP_S, spec.link_timeout),
                                  failover=failover_enabled(t, spec.placement))
-    # a lost FFN rank is the launcher's news too: it kills a hung one and counts the loss
-    endpoint.on_ffn_lost = lambda loss: conn.send(("ffn_lost", loss.rank, loss.generation, loss.reason, loss.redispatched))
+
+    def ffn_lost(loss) -> None:  # the launcher's news too: it kills a hung one and counts the loss
+        conn.send(("ffn_lost", loss.rank, loss.generation, loss.reason, loss.redispatched))
+        _trace(runner, "ffn_lost", f"ffn rank {loss.rank} lost ({loss.reason}); {loss.redispatched} in-flight units re-dispatched")
+
+    endpoint.on_ffn_lost = ffn_lost
     endpoint.handshake()  # protocol version agreed with every FFN rank before READY
     mailbox.start_heartbeats(spec.link.heartbeat_interval, spec.link.link_timeout)
     e = spec.engine
@@ -206,11 +210,16 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
         if plane is None:  # no one to agree with: use it at once
             endpoint.admit(endpoint.ready_mask)
         conn.send(("ffn_joined", cmd[1], cmd[2]))
+        _trace(runner, "ffn_joined", f"linked to ffn rank {cmd[1]}'s replacement (generation {cmd[2]})")
 
     def placement(cmd) -> None:  # ("placement", version, ExpertPlacement): every FFN rank holds its copies; vote it
         endpoint.install(cmd[1], cmd[2])
 
-    runner.on_placement = lambda version: conn.send(("placement_in_use", version))
+    def placement_in_use(version: int) -> None:
+        conn.send(("placement_in_use", version))
+        _trace(runner, "placement", f"expert placement version {version} from this step")
+
+    runner.on_placement = placement_in_use
     own = {"ffn_join": ffn_join, "placement": placement}
 
     conn.send(("ready", ready))
@@ -252,6 +261,15 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
                 raise ValueError(f"unknown command {cmd[0]!r}")
     finally:
         mailbox.close()
+
+
+def _trace(runner: DisaggregatedRunner, action: str, note: str) -> None:
+    """An instant in the rank's trace (``afd generate --trace``), when one is being recorded."""
+    if runner.trace is not None:
+        from afd.attention.runner import TraceEvent
+
+        now = time.perf_counter()
+        runner.trace.append(TraceEvent(now, now, action, 0, -1, runner.seq, runner.endpoint.num_in_flight, note))
 
 
 def _link_stats(mailbox, endpoint: AttentionEndpoint) -> dict:

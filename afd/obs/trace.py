@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+INSTANTS = ("degraded", "plan", "ffn_lost", "ffn_joined", "placement")  # drawn as instants, with their note
 COLORS = {"attention": "#4C72B0", "dispatch": "#DD8452", "combine": "#55A868", "ffn": "#C44E52", "degraded": "#8172B3"}
 
 
@@ -24,7 +25,7 @@ def chrome_trace(attention: dict[str, Sequence], ffn: dict[str, Sequence[tuple]]
     for name, evs in attention.items():
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
         for e in evs:
-            if e.action in ("degraded", "plan"):  # instants: a plan that degraded, or an adaptive choice of m
+            if e.action in INSTANTS:  # instants: a plan that degraded, an adaptive choice of m, a fault and its handling
                 events.append({"ph": "i", "s": "p", "name": e.action, "pid": pid, "tid": 0, "ts": 1e6 * (e.start - t0), "args": {"why": e.note, "seq": e.seq}})
                 continue
             events.append({

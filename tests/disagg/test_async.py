@@ -198,7 +198,7 @@ def test_backpressure_bounds_in_flight_and_memory(reference, monkeypatch):
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         cluster.request(0, ("trace", True), "trace")
-        outs = [cluster.generate(prompts, params, pipeline) for _ in range(3)]
+        outs = [cluster.generate(prompts, params, pipeline) for _ in range(2)]
         events, _ = cluster.request(0, ("get_trace", None), "get_trace")
         done.set()
         sampler.join()

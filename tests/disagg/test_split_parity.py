@@ -63,10 +63,12 @@ def test_loopback_full_product(references, case, a, f):
 
 @pytest.mark.parametrize("case", ["ds-qlora-grouped-yarn", "qwen3-norm-topk"])
 def test_redundant_experts_split_equals_monolithic(references, case):
-    """Every setting with every expert on two of three FFN ranks: whichever copy computes a row (the copy
-    choice runs on the attention side, or on the FFN side with the gate there), the split equals the model."""
+    """Every gate and shared-expert placement with every expert on two of three FFN ranks: whichever copy
+    computes a row (the copy choice runs on the attention side, or on the FFN side with the gate there), the
+    split equals the model."""
     path, model, ref_values, ref_logits = references[case]
-    for gate, dense_on, shared_on in SETTINGS:
+    for gate, shared_on in itertools.product(["attention", "ffn"], ["attention", "ffn"]):  # the copy choice's two sides, and
+        dense_on = "ffn" if gate == shared_on else "attention"  # the FFN side's replicated work; each dense placement twice
         t = topology(2, 3, transport="loopback", gate=gate, dense_on=dense_on, shared_experts_on=shared_on, redundant_experts=8)
         with Cluster(path, t, ENGINE, pipeline=PipelineConfig("async", 2, "token")) as cluster:
             assert cluster.placement.single_copy() == ()

@@ -140,6 +140,7 @@ def _kill_under_load(s: Server, pid: int, streams: int = 6) -> list:
 def test_killing_an_ffn_rank_fails_in_flight_requests_and_exits_nonzero():
     s = Server(*ONE_A_ONE_F)
     try:
+        assert any("no redundancy: an FFN failure stops the server" in line for line in s.stderr + s.stdout)  # said at start
         ffn = s.rank_pids("ffn")
         assert len(ffn) == 1
         for outcome, after in _kill_under_load(s, ffn[0]):
