@@ -230,6 +230,10 @@ class Cluster:
 
         rank.lost = rank.done = True
         dead = sorted(self.attention_ranks().index(r) for r in self.attention_ranks() if r.lost)
+        for r in self.ranks:  # a replacement, or a rebalance, waits no longer for it
+            if not r.joined and not r.lost and r.spec.role == Role.FFN and {a.spec.index for a in self._live_attention()} <= r.linked:
+                self._replacement_event(rank, ("ffn_joined", r.spec.index, r.spec.generation))
+        self._advance_rebalance()
         if self._steps_store is not None:
             self._steps_store.set(DEAD_KEY, json.dumps(dead))
         self.replica_losses.append({"rank": rank.spec.index, "pid": rank.proc.pid, "cause": cause, "at": time.time()})
@@ -363,7 +367,7 @@ class Cluster:
     def _replacement_event(self, r: _Rank, msg: tuple) -> None:
         """A replacement's progress: weights loaded (attention ranks link to it), then every attention rank linked."""
         if msg[0] == "loaded":
-            for a in self.attention_ranks():
+            for a in self._live_attention():
                 a.send(("ffn_join", r.spec.index, r.spec.generation))
             return
         target = next((f for f in self.ranks if f.spec.role == Role.FFN and f.spec.index == msg[1] and f.spec.generation == msg[2]), None)
@@ -373,7 +377,7 @@ class Cluster:
             log.warning("run %s: %s could not link to ffn rank %d generation %d: %s", self.run_id, r.spec.name, msg[1], msg[2], msg[3])
             return
         target.linked.add(r.spec.index)
-        if len(target.linked) == len(self.attention_ranks()) and not target.joined:
+        if {a.spec.index for a in self._live_attention()} <= target.linked and not target.joined:
             target.joined = True
             took = time.monotonic() - target.started_at
             self.ffn_replacements.append({"rank": target.spec.index, "pid": target.proc.pid, "generation": target.spec.generation,
@@ -422,6 +426,9 @@ class Cluster:
                     decision["before"], decision["after"], new.describe())
         return decision
 
+    def _live_attention(self) -> list[_Rank]:
+        return [a for a in self.attention_ranks() if not a.lost]
+
     def _live_ffn(self) -> list[int]:
         return sorted({r.spec.index for r in self.ranks if r.spec.role == Role.FFN and not r.lost and r.joined})
 
@@ -441,9 +448,9 @@ class Cluster:
             return
         if "sent" not in rb and set(self._live_ffn()) <= rb["ready"]:
             rb["sent"] = time.monotonic()
-            for a in self.attention_ranks():
+            for a in self._live_attention():
                 a.send(("placement", rb["version"], rb["new"]))
-        if len(rb["in_use"]) == len(self.attention_ranks()):
+        if {self.attention_ranks().index(a) for a in self._live_attention()} <= rb["in_use"]:
             self.placement, self.placement_version = rb["new"], rb["version"]
             took = time.monotonic() - rb["started"]
             self.rebalances.append({k: rb[k] for k in ("version", "before", "after", "placement")} | {"seconds": took, "at": time.time()})

@@ -102,7 +102,17 @@ def _state(pid: int) -> str:
 
 
 def _rows_by_rank(s: Server) -> list[float]:
-    return [s.rank_metric("afd_ffn_rows_total", str(r)) for r in range(2)]
+    """Rows each FFN rank computed so far, once its counters stopped moving (an FFN rank reports them at
+    most once a second: read too soon, a run's last rows would count in the next one)."""
+    rows = None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        now = [s.rank_metric("afd_ffn_rows_total", str(r)) for r in range(2)]
+        if now == rows:
+            return now
+        rows = now
+        time.sleep(1.5)
+    return rows
 
 
 def _imbalance(before: list[float], after: list[float]) -> float:
