@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
 import time
 import uuid
 
@@ -42,6 +44,41 @@ class Server(ServerProcess):
             time.sleep(0.1)
         assert samples, f"metric {name} not exported"
         return sum(float(line.rsplit(" ", 1)[1]) for line in samples)
+
+    def stream_text(self, payload: dict) -> tuple[str, str]:
+        """One streaming completion: (outcome, text); outcome is done, ``error: ...``, ``status N`` or ``cut: ...``."""
+        text, outcome = [], "cut"
+        try:
+            with httpx.stream("POST", self.url + "/v1/completions", json=payload, timeout=120) as r:
+                outcome = f"status {r.status_code}" if r.status_code != 200 else outcome
+                for line in r.iter_lines() if r.status_code == 200 else ():
+                    if line == "data: [DONE]":
+                        outcome = "done"
+                    elif line.startswith("data:"):
+                        event = json.loads(line[5:])
+                        if "error" in event:
+                            outcome = "error: " + event["error"]["message"]
+                        else:
+                            text.append(event["choices"][0]["text"])
+        except httpx.HTTPError as e:
+            outcome = f"cut: {type(e).__name__}"
+        return outcome, "".join(text)
+
+    def streams(self, payloads: list[dict], fault=None) -> dict[int, tuple[str, str]]:
+        """Every payload streamed at once; ``fault()`` once each stream has produced a few tokens (under load)."""
+        out: dict = {}
+        before = self.metric("afd_generation_tokens_total", wait=0)
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, self.stream_text(payloads[i]))) for i in range(len(payloads))]
+        for t in threads:
+            t.start()
+        if fault is not None:
+            deadline = time.monotonic() + 60
+            while self.metric("afd_generation_tokens_total", wait=0) - before < 4 * len(payloads) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            fault()
+        for t in threads:
+            t.join(120)
+        return out
 
     def rank_metric(self, name: str, rank: str) -> float:
         """One sample of a metric with a ``rank`` label (0 when that rank has none yet)."""

@@ -4,13 +4,10 @@ injection points is ``scripts/chaos.py``."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import threading
 import time
 
-import httpx
 
 from tests.serving.server_proc import MODEL_NAME, Server
 
@@ -18,41 +15,13 @@ REDUNDANT = ["--attention-ranks", "1", "--ffn-ranks", "2", "--redundant-experts"
 STREAMS = 6
 
 
-def _stream(url: str, i: int, out: dict) -> None:
-    payload = {"model": MODEL_NAME, "prompt": f"KING {i}:", "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
-    text, outcome = [], "cut"
-    try:
-        with httpx.stream("POST", url + "/v1/completions", json=payload, timeout=120) as r:
-            outcome = f"status {r.status_code}" if r.status_code != 200 else outcome
-            for line in r.iter_lines() if r.status_code == 200 else ():
-                if line == "data: [DONE]":
-                    outcome = "done"
-                elif line.startswith("data:"):
-                    event = json.loads(line[5:])
-                    if "error" in event:
-                        outcome = "error: " + event["error"]["message"]
-                    else:
-                        text.append(event["choices"][0]["text"])
-    except httpx.HTTPError as e:
-        outcome = f"cut: {type(e).__name__}"
-    out[i] = (outcome, "".join(text))
+def _payload(i: int) -> dict:
+    return {"model": MODEL_NAME, "prompt": f"KING {i}:", "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
 def _run(s: Server, fault=None) -> dict:
-    """STREAMS concurrent greedy streams; ``fault()`` once every stream has produced tokens."""
-    out: dict = {}
-    before = s.metric("afd_generation_tokens_total", wait=0)
-    threads = [threading.Thread(target=_stream, args=(s.url, i, out)) for i in range(STREAMS)]
-    for t in threads:
-        t.start()
-    if fault is not None:
-        deadline = time.monotonic() + 60
-        while s.metric("afd_generation_tokens_total", wait=0) - before < 4 * STREAMS and time.monotonic() < deadline:
-            time.sleep(0.05)
-        fault()
-    for t in threads:
-        t.join(120)
-    return out
+    """STREAMS concurrent streams; ``fault()`` once every stream has produced tokens."""
+    return s.streams([_payload(i) for i in range(STREAMS)], fault)
 
 
 def test_ffn_ranks_killed_then_hung_under_load_cost_no_request_and_change_no_text():

@@ -4,13 +4,9 @@ it streamed. No client sees an error or repeated text, greedy and seeded texts e
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import threading
-import time
 
-import httpx
 from tests.serving.server_proc import MODEL_NAME, Server
 
 FLAGS = ["--attention-ranks", "3", "--ffn-ranks", "1", "--hang-timeout", "2", "--no-enable-prefix-caching"]
@@ -23,39 +19,9 @@ def _payload(i: int) -> dict:
             "temperature": 0.8 if sampled else 0, "seed": 100 + i if sampled else None, "presence_penalty": 0.5 if sampled else 0}
 
 
-def _stream(url: str, i: int, out: dict) -> None:
-    text, outcome = [], "cut"
-    try:
-        with httpx.stream("POST", url + "/v1/completions", json=_payload(i), timeout=120) as r:
-            outcome = f"status {r.status_code}" if r.status_code != 200 else outcome
-            for line in r.iter_lines() if r.status_code == 200 else ():
-                if line == "data: [DONE]":
-                    outcome = "done"
-                elif line.startswith("data:"):
-                    event = json.loads(line[5:])
-                    if "error" in event:
-                        outcome = "error: " + event["error"]["message"]
-                    else:
-                        text.append(event["choices"][0]["text"])
-    except httpx.HTTPError as e:
-        outcome = f"cut: {type(e).__name__}"
-    out[i] = (outcome, "".join(text))
-
-
 def _run(s: Server, fault=None) -> dict:
-    out: dict = {}
-    before = s.metric("afd_generation_tokens_total", wait=0)
-    threads = [threading.Thread(target=_stream, args=(s.url, i, out)) for i in range(STREAMS)]
-    for t in threads:
-        t.start()
-    if fault is not None:
-        deadline = time.monotonic() + 60
-        while s.metric("afd_generation_tokens_total", wait=0) - before < 4 * STREAMS and time.monotonic() < deadline:
-            time.sleep(0.05)
-        fault()
-    for t in threads:
-        t.join(120)
-    return out
+    """STREAMS concurrent streams; ``fault()`` once every stream has produced tokens."""
+    return s.streams([_payload(i) for i in range(STREAMS)], fault)
 
 
 def test_lost_replicas_requests_move_and_finish_unchanged():
