@@ -106,8 +106,10 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ffn-devices", help="FFN ranks' devices, e.g. cpu or cpu:1")
     g.add_argument("--attention-ranks", type=int, help="shorthand: N attention ranks on CPU")
     g.add_argument("--ffn-ranks", type=int, help="shorthand: N FFN ranks on CPU")
-    g.add_argument("--transport", choices=["loopback", "shm", "torch"], default="shm",
-                   help="loopback: ranks as threads of one process; shm: processes on this host (default); torch: torch.distributed (NCCL when every rank is on CUDA, HCCL on NPUs, else gloo)")
+    g.add_argument("--transport", choices=["loopback", "shm", "tcp", "torch"], default="shm",
+                   help="loopback: ranks as threads of one process; shm: processes on this host (default); tcp: a socket per "
+                        "link, on one host or several, survives rank losses; torch: torch.distributed (NCCL when every rank "
+                        "is on CUDA, HCCL on NPUs, else gloo)")
     g.add_argument("--gate", choices=["attention", "ffn"], default="attention", help="where the router runs (default attention: per-expert M2N routing)")
     g.add_argument("--mode", choices=["sync", "async"], default="async",
                    help="async (default): micro-batches ping-ponged so attention overlaps transfer and FFN work; sync: dispatch, then wait, per layer")
@@ -128,11 +130,15 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hang-timeout", type=float, default=10.0, metavar="S",
                    help="a rank that sends nothing, not even a heartbeat, for S seconds is hung (default 10); "
                         "a death is seen at once")
-    m = p.add_argument_group("multi-node (torchrun-style; one role per host, --transport torch)")
-    m.add_argument("--nnodes", type=int, default=1, help="1, or 2: node 0 runs the attention ranks, node 1 the FFN ranks")
-    m.add_argument("--node-rank", type=int, default=0)
+    m = p.add_argument_group("multi-node (one invocation per node, same flags, --transport tcp or torch)")
+    m.add_argument("--nnodes", type=int, default=1,
+                   help="nodes of the run (default 1); by default node 0 runs the attention ranks and the front end, "
+                        "the FFN ranks go round-robin over nodes 1..N-1")
+    m.add_argument("--node-rank", type=int, default=0, help="this invocation's node")
+    m.add_argument("--attention-nodes", metavar="LIST", help="each attention rank's node, e.g. 0,0 (every attention rank runs on node 0)")
+    m.add_argument("--ffn-nodes", metavar="LIST", help="each FFN rank's node, e.g. 1,2,1 (default: round-robin over nodes 1..N-1)")
     m.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (the rendezvous)")
-    m.add_argument("--master-port", type=int, default=0, help="the rendezvous port (required with --nnodes 2)")
+    m.add_argument("--master-port", type=int, default=0, help="the rendezvous port (required with --nnodes 2 or more)")
 
 
 def _microbatches(text: str):
@@ -151,7 +157,9 @@ def _microbatches(text: str):
 
 def topology_from_args(args: argparse.Namespace, num_experts: int):
     """The topology flags -> a validated Topology, or None for a monolithic run."""
-    from afd.distributed.topology import ExpertPlacement, parse_topology_args, validate_topology
+    import dataclasses
+
+    from afd.distributed.topology import ExpertPlacement, default_nodes, parse_topology_args, validate_topology
 
     topology = parse_topology_args(
         args.attention_devices,
@@ -165,7 +173,12 @@ def topology_from_args(args: argparse.Namespace, num_experts: int):
         placement=ExpertPlacement.parse(args.placement, num_experts) if args.placement else None,
         redundant_experts=args.redundant_experts,
     )
+    if topology is None and (args.nnodes > 1 or args.attention_nodes or args.ffn_nodes):
+        raise ValueError("a multi-node run is disaggregated: add topology flags (e.g. --attention-ranks 1 --ffn-ranks 2 --transport tcp)")
     if topology is not None:
+        attention_nodes, ffn_nodes = default_nodes(args.nnodes, topology.num_attention_ranks, topology.num_ffn_ranks,
+                                                   args.attention_nodes, args.ffn_nodes)
+        topology = dataclasses.replace(topology, attention_nodes=attention_nodes, ffn_nodes=ffn_nodes)
         if getattr(args, "device", "cpu") != "cpu":
             raise ValueError("--device is for monolithic runs; a disaggregated run takes --attention-devices and --ffn-devices")
         validate_topology(topology, num_experts)

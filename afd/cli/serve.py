@@ -80,7 +80,7 @@ def _cluster(args: argparse.Namespace, model_dir, topology):
 def _serve_ffn_node(args: argparse.Namespace, model_dir, topology) -> int:
     """The FFN node of a multi-node run: no HTTP here; its FFN ranks serve node 0's attention ranks."""
     if topology is None:
-        raise ValueError("--nnodes 2 needs topology flags (and --transport torch)")
+        raise ValueError("a multi-node run needs topology flags (and --transport tcp or torch)")
     cluster = _cluster(args, model_dir, topology)
     try:
         cluster.start()

@@ -9,6 +9,9 @@ from afd.connectors.protocol import Role
 from afd.connectors.transport import LoopbackHub, LoopbackMailbox, Mailbox
 
 
+REOPENABLE = ("shm", "tcp")  # transports whose links a rank can lose and reopen to a replacement (failover)
+
+
 @dataclass(frozen=True)
 class LinkSpec:
     """How the ranks of one run reach each other (picklable; the loopback hub is passed separately)."""
@@ -21,7 +24,7 @@ class LinkSpec:
     io_log: bool = False
     num_attention: int = 1
     num_ffn: int = 1
-    master_addr: str = "127.0.0.1"  # torch transport: where the launcher's TCPStore listens
+    master_addr: str = "127.0.0.1"  # torch and tcp transports: where the launcher's TCPStore listens
     master_port: int = 0
     heartbeat_interval: float = 1.0  # seconds; 0 disables heartbeats
     link_timeout: float = 60.0  # a peer silent this long is reported as hung
@@ -31,9 +34,9 @@ class LinkSpec:
 def make_mailbox(spec: LinkSpec, role: Role, index: int, num_peers: int, hub: LoopbackHub | None = None,
                  device: str = "cpu", generation: int = 0) -> Mailbox:
     """``device``: the rank's compute device, where received tensors are delivered. ``generation`` > 0: a
-    replacement FFN rank's links (shm only)."""
-    if generation and spec.transport != "shm":
-        raise ValueError(f"a replacement rank's links need the shm transport, not {spec.transport}")
+    replacement FFN rank's links (shm and tcp)."""
+    if generation and spec.transport not in REOPENABLE:
+        raise ValueError(f"a replacement rank's links need the shm or tcp transport, not {spec.transport}")
     if spec.transport == "loopback":
         if hub is None:
             raise ValueError("the loopback transport needs the run's LoopbackHub (ranks must be threads of one process)")
@@ -43,9 +46,14 @@ def make_mailbox(spec: LinkSpec, role: Role, index: int, num_peers: int, hub: Lo
 
         return ShmMailbox(spec.run_dir, role, index, num_peers, spec.num_slots, spec.slot_bytes, spec.connect_timeout,
                           spec.io_log, device, generations={p: generation for p in range(num_peers)} if generation else None)
+    if spec.transport == "tcp":
+        from afd.connectors.tcp import TcpMailbox
+
+        return TcpMailbox(role, index, spec.num_attention, spec.num_ffn, spec.master_addr, spec.master_port,
+                          timeout=spec.connect_timeout, io_log=spec.io_log, device=device, generation=generation)
     if spec.transport == "torch":
         from afd.connectors.torch_dist import TorchMailbox
 
         return TorchMailbox(role, index, spec.num_attention, spec.num_ffn, spec.master_addr, spec.master_port,
                             backend=spec.backend, timeout=spec.connect_timeout, io_log=spec.io_log, device=device)
-    raise ValueError(f"unknown transport {spec.transport!r}; use loopback, shm or torch")
+    raise ValueError(f"unknown transport {spec.transport!r}; use loopback, shm, tcp or torch")

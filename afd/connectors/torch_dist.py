@@ -35,25 +35,15 @@ import torch
 import torch.distributed as dist
 
 from afd.connectors.protocol import Header, ProtocolError, Role
+from afd.connectors.tcp import FRAME, close_gracefully, local_address, read_exact
 from afd.connectors.transport import ConnectorTimeout, Mailbox, PeerDiedError
 
-_FRAME = struct.Struct("<IQ")  # header length, payload length
 OP_TIMEOUT_S = 600.0  # NCCL/HCCL: the process group's per-operation limit (at least the connect timeout)
 CLOSE_GRACE_S = 5.0  # how long close() lets sends in flight finish
 
 
 def global_rank(role: Role, index: int, num_attention: int) -> int:
     return index if role == Role.ATTENTION else num_attention + index
-
-
-def _local_address(master_addr: str) -> str:
-    """The address of this host as seen on the route to the master (works across hosts)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((master_addr, 9))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
 
 
 class TorchMailbox(Mailbox):
@@ -116,7 +106,7 @@ class TorchMailbox(Mailbox):
 
     def _accept(self, master_addr: str, timeout: float) -> None:
         server = socket.create_server(("0.0.0.0", 0))
-        host = _local_address(master_addr)
+        host = local_address(master_addr)
         self.store.set(f"afd/ctrl/ffn{self.index}", f"{host}:{server.getsockname()[1]}")
         server.settimeout(timeout)
         while len(self.socks) < self.num_peers:
@@ -124,7 +114,7 @@ class TorchMailbox(Mailbox):
                 conn, _ = server.accept()
             except socket.timeout:
                 raise ConnectorTimeout(f"{self.name}: attention ranks did not connect within {timeout:.0f} s") from None
-            peer = struct.unpack("<I", _read_exact(conn, 4, self.name, "a connecting rank"))[0]
+            peer = struct.unpack("<I", read_exact(conn, 4, self.name, "a connecting rank"))[0]
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.socks[peer] = conn
         server.close()
@@ -140,7 +130,7 @@ class TorchMailbox(Mailbox):
     def _send(self, peer: int, header: bytes, payload: list[torch.Tensor]) -> None:
         size = sum(p.numel() for p in payload)
         try:
-            self.socks[peer].sendall(_FRAME.pack(len(header), size) + header)
+            self.socks[peer].sendall(FRAME.pack(len(header), size) + header)
         except OSError:
             raise PeerDiedError(f"{self.name}: {self.peer_name(peer)} is gone (control socket closed)", peer=peer) from None
         if size:
@@ -174,8 +164,8 @@ class TorchMailbox(Mailbox):
         peer = self._sock_peer[ready[0]]
         sock = self.socks[peer]
         who = self.peer_name(peer)
-        hlen, plen = _FRAME.unpack(_read_exact(sock, _FRAME.size, self.name, who))
-        header_bytes = _read_exact(sock, hlen, self.name, who)
+        hlen, plen = FRAME.unpack(read_exact(sock, FRAME.size, self.name, who))
+        header_bytes = read_exact(sock, hlen, self.name, who)
         header, _ = Header.unpack(header_bytes, f"{self.name} (link from {who})")
         if plen != header.payload_bytes:
             raise ProtocolError(
@@ -210,20 +200,7 @@ class TorchMailbox(Mailbox):
                 time.sleep(0.001)
         stuck, self._pending = bool(self._pending), []
         for s in self.socks.values():
-            # half-close, then read what the peer still sends until its FIN: closing a socket with
-            # unread data makes the kernel send RST, and an RST can destroy our own last frames
-            # (the SHUTDOWN) in the peer's receive queue before it reads them
-            try:
-                s.shutdown(socket.SHUT_WR)
-                s.settimeout(2.0)
-                while s.recv(65536):
-                    pass
-            except OSError:
-                pass
-            try:
-                s.close()
-            except OSError:
-                pass
+            close_gracefully(s)
         self.socks.clear()
         if dist.is_initialized():
             abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -231,23 +208,3 @@ class TorchMailbox(Mailbox):
                 abort()  # a clean destroy would wait on the stuck sends until the watchdog kills us
             else:
                 dist.destroy_process_group()
-
-
-def _read_exact(sock: socket.socket, n: int, me: str, peer: str) -> bytes:
-    chunks, got = [], 0
-    deadline = time.monotonic() + 60
-    while got < n:
-        try:
-            chunk = sock.recv(n - got)
-        except socket.timeout:
-            chunk = None
-        except ConnectionError:
-            chunk = b""  # reset by the peer: gone
-        if chunk == b"":
-            raise PeerDiedError(f"{me}: {peer} is gone (control socket closed)")
-        if chunk:
-            chunks.append(chunk)
-            got += len(chunk)
-        elif time.monotonic() > deadline:
-            raise ConnectorTimeout(f"{me}: a frame from {peer} stalled")
-    return b"".join(chunks)

@@ -14,7 +14,8 @@ from afd.distributed.placement import ExpertPlacement, TopologyError
 __all__ = ["DeviceSpec", "ExpertPlacement", "Topology", "TopologyError", "parse_device", "parse_devices", "parse_topology_args",
            "validate_topology", "backend_for"]
 
-TRANSPORTS = ("loopback", "shm", "torch")
+TRANSPORTS = ("loopback", "shm", "tcp", "torch")
+MULTI_HOST_TRANSPORTS = ("tcp", "torch")
 GATE_PLACEMENTS = ("attention", "ffn")
 SIDES = ("attention", "ffn")
 
@@ -84,6 +85,17 @@ class Topology:
     shared_experts_on: str = "attention"
     placement: ExpertPlacement | None = None  # None: contiguous blocks (plus redundant_experts copies)
     redundant_experts: int = 0  # physical expert copies beyond the logical experts (EPLB)
+    attention_nodes: tuple[int, ...] = ()  # the node of each attention rank (empty: every rank on node 0)
+    ffn_nodes: tuple[int, ...] = ()  # the node of each FFN rank (empty: node 0)
+
+    def node_of(self, role_name: str, index: int) -> int:
+        """``role_name``: "attention" or "ffn"."""
+        nodes = self.attention_nodes if role_name == "attention" else self.ffn_nodes
+        return nodes[index] if nodes else 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max((*self.attention_nodes, *self.ffn_nodes, 0)) + 1
 
     @property
     def num_attention_ranks(self) -> int:
@@ -143,8 +155,49 @@ def validate_topology(topology: Topology, num_experts: int) -> ExpertPlacement:
     stray = sorted(r for r in placement.ranks if r >= t.num_ffn_ranks)
     if stray:
         raise TopologyError(f"placement names FFN ranks {stray} but only {t.num_ffn_ranks} exist")
+    _check_nodes(t)
     _check_devices(t)
     return placement
+
+
+def default_nodes(nnodes: int, num_attention: int, num_ffn: int, attention_nodes: str | None = None,
+                  ffn_nodes: str | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each rank's node: the flags' lists (``0,0`` / ``1,2,1``), else attention ranks on node 0 (beside the
+    front end) and FFN ranks round-robin over nodes 1..N-1 (node 0 with one node)."""
+    def parse(text: str, count: int, flag: str) -> tuple[int, ...]:
+        try:
+            nodes = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise TopologyError(f"{flag} {text!r}: give one node index per rank, e.g. {','.join(['0'] * count)}") from None
+        if len(nodes) != count:
+            raise TopologyError(f"{flag} {text!r}: {len(nodes)} nodes for {count} ranks (one per rank)")
+        bad = [n for n in nodes if not 0 <= n < nnodes]
+        if bad:
+            raise TopologyError(f"{flag} {text!r}: nodes {bad} are outside 0..{nnodes - 1} (--nnodes {nnodes})")
+        return nodes
+
+    if nnodes < 1:
+        raise TopologyError(f"--nnodes {nnodes}: give 1 or more")
+    if (attention_nodes or ffn_nodes) and nnodes == 1:
+        raise TopologyError("--attention-nodes / --ffn-nodes need --nnodes 2 or more")
+    attn = parse(attention_nodes, num_attention, "--attention-nodes") if attention_nodes else (0,) * num_attention
+    ffn = (parse(ffn_nodes, num_ffn, "--ffn-nodes") if ffn_nodes else
+           tuple(0 if nnodes == 1 else 1 + f % (nnodes - 1) for f in range(num_ffn)))
+    return (attn, ffn) if nnodes > 1 else ((), ())
+
+
+def _check_nodes(t: Topology) -> None:
+    if not (t.attention_nodes or t.ffn_nodes):
+        return
+    if len(t.attention_nodes) != t.num_attention_ranks or len(t.ffn_nodes) != t.num_ffn_ranks:
+        raise TopologyError(f"node lists for {len(t.attention_nodes)} attention and {len(t.ffn_nodes)} FFN ranks; the run has "
+                            f"{t.num_attention_ranks} and {t.num_ffn_ranks}")
+    if any(t.attention_nodes):
+        raise TopologyError(f"attention ranks on nodes {sorted(set(t.attention_nodes) - {0})}: every attention rank runs on node 0, "
+                            "beside the front end, which drives them over local pipes")
+    if t.transport not in MULTI_HOST_TRANSPORTS:
+        raise TopologyError(f"a multi-node run needs --transport tcp (survives an FFN rank's or node's loss) or torch "
+                            f"(NCCL/HCCL payloads); {t.transport} stays on one host")
 
 
 def backend_for(topology: Topology) -> str:
@@ -156,11 +209,12 @@ def backend_for(topology: Topology) -> str:
 
 
 def _check_devices(t: Topology) -> None:
-    seen: dict[str, str] = {}
+    seen: dict[str, str] = {}  # accelerators and core sets are per host
     for side, devices in (("attention", t.attention_devices), ("ffn", t.ffn_devices)):
         for i, d in enumerate(devices):
             if d.is_accelerator:
-                key = str(d)
+                node = t.node_of(side, i)
+                key = str(d) + (f" on node {node}" if t.num_nodes > 1 else "")
                 if key in seen:
                     where = seen[key]
                     raise TopologyError(
@@ -168,13 +222,14 @@ def _check_devices(t: Topology) -> None:
                         + (" and never on both sides" if not where.startswith(side) else "")
                     )
                 seen[key] = f"{side} rank {i}"
-    cores: dict[int, str] = {}
+    cores: dict[tuple[int, int], str] = {}
     for side, devices in (("attention", t.attention_devices), ("ffn", t.ffn_devices)):
         for i, d in enumerate(devices):
+            node = t.node_of(side, i)
             for c in sorted(d.cores or ()):
-                if c in cores:
-                    raise TopologyError(f"CPU core {c} is in the core sets of {cores[c]} and {side} rank {i}: core sets must not overlap")
-                cores[c] = f"{side} rank {i}"
+                if (node, c) in cores:
+                    raise TopologyError(f"CPU core {c} is in the core sets of {cores[node, c]} and {side} rank {i}: core sets must not overlap")
+                cores[node, c] = f"{side} rank {i}"
 
 
 def parse_topology_args(

@@ -34,16 +34,18 @@ from typing import Any, Sequence
 
 from afd import env
 from afd.config import PipelineConfig, SamplingParams
-from afd.connectors.factory import LinkSpec
+from afd.connectors.factory import REOPENABLE, LinkSpec
 from afd.connectors.protocol import Role
 from afd.connectors.transport import LoopbackHub
 from afd.distributed.devices import check_present
-from afd.distributed.topology import Topology, backend_for, validate_topology
+from afd.distributed.topology import MULTI_HOST_TRANSPORTS, Topology, backend_for, validate_topology
 from afd.engine.ranks import EngineArgs, RankSpec, ReadyReport, run_rank
 from afd.engine.request import RequestOutput
 from afd.models.hf_config import load_model_config
 
 log = logging.getLogger(__name__)
+
+KILL_KEY = "afd/kill"  # multi-node: node 0 asks a node's launcher to kill its hung FFN rank f under <KILL_KEY>/f<f>
 
 
 def _limits(model_dir: Path, config, engine: EngineArgs):
@@ -62,17 +64,18 @@ class RankFailedError(RuntimeError):
     """A rank died or reported an error; the whole job was stopped."""
 
 
-def build_launch_order(topology: Topology, roles: tuple[Role, ...] = (Role.FFN, Role.ATTENTION)) -> list[tuple[Role, int]]:
+def build_launch_order(topology: Topology, local: Sequence[tuple[Role, int]] | None = None) -> list[tuple[Role, int]]:
     """The one place that decides start order, from where the rendezvous lives.
 
-    The rendezvous (shm files, or the torch transport's TCPStore) is created by the
-    launcher itself before any rank starts, so every rank finds it up; FFN ranks go
+    The rendezvous (shm files, or the TCPStore of the tcp and torch transports) is created
+    by the launcher itself before any rank starts, so every rank finds it up; FFN ranks go
     first so that they listen and serve by the time an attention rank connects and
-    reports READY. (A remote launcher without the rendezvous waits for it.)"""
+    reports READY. (A remote launcher without the rendezvous waits for it.) ``local``:
+    only these ranks (the ones this node runs)."""
     order = [(Role.FFN, f) for f in range(topology.num_ffn_ranks)] + [
         (Role.ATTENTION, a) for a in range(topology.num_attention_ranks)
     ]
-    return [(role, i) for role, i in order if role in roles]
+    return [ri for ri in order if local is None or ri in local]
 
 
 def _imbalance(placement, load: Sequence[float]) -> float:
@@ -138,10 +141,12 @@ class Cluster:
         master_addr: str = "127.0.0.1",
         master_port: int = 0,
     ) -> None:
-        if nnodes not in (1, 2) or not 0 <= node_rank < nnodes:
-            raise ValueError(f"--nnodes must be 1 or 2 (one role per host) and --node-rank in [0, nnodes); got {nnodes}, {node_rank}")
-        if nnodes > 1 and topology.transport != "torch":
-            raise ValueError("a multi-node run needs --transport torch (shm and loopback stay on one host)")
+        if nnodes < 1 or not 0 <= node_rank < nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes); got --nnodes {nnodes}, --node-rank {node_rank}")
+        if topology.num_nodes > nnodes:
+            raise ValueError(f"the topology places ranks on {topology.num_nodes} nodes, but --nnodes is {nnodes}")
+        if nnodes > 1 and topology.transport not in MULTI_HOST_TRANSPORTS:
+            raise ValueError("a multi-node run needs --transport tcp or torch (shm and loopback stay on one host)")
         if nnodes > 1 and not master_port:
             raise ValueError("a multi-node run needs --master-port (and --master-addr: node 0's address)")
         self.nnodes, self.node_rank = nnodes, node_rank
@@ -158,8 +163,11 @@ class Cluster:
         self.limits = _limits(self.model_dir, config, engine)  # once, for every rank and the links
         self.engine = engine = replace(engine, max_num_batched_tokens=self.limits.max_num_batched_tokens,
                                        max_step_memory=self.limits.max_step_memory, max_model_len=self.limits.max_model_len)
-        local = self.local_roles()  # devices are checked on the host that runs them
-        check_present([*(topology.attention_devices if Role.ATTENTION in local else ()), *(topology.ffn_devices if Role.FFN in local else ())])
+        local = self.local_ranks()  # devices are checked on the host that runs them
+        if not local:
+            raise ValueError(f"node {node_rank} runs no rank (attention ranks on nodes {list(topology.attention_nodes)}, FFN ranks on "
+                             f"nodes {list(topology.ffn_nodes)})")
+        check_present([(topology.attention_devices if role == Role.ATTENTION else topology.ffn_devices)[i] for role, i in local])
         self.model_config = config
         self.run_id = env.run_id() or uuid.uuid4().hex[:12]  # a supervisor may choose it
         self.run_dir: Path | None = None
@@ -179,6 +187,7 @@ class Cluster:
         self.rebalances: list[dict] = []  # every rebalance done: version, load max/mean before and after, seconds
         self._rebalance: dict | None = None  # the one in progress
         self._deferred: list[_Rank] = []  # lost FFN ranks to replace once the rebalance in progress is done
+        self._remote_lost: set[int] = set()  # FFN ranks of other nodes that node 0's attention ranks lost
         self._started = False
 
     def describe_limits(self) -> str:
@@ -196,7 +205,7 @@ class Cluster:
         if p.redundant == 0:
             return "no redundancy: an FFN failure stops the server (add --redundant-experts N for copies on other FFN ranks)"
         if not failover_enabled(self.topology, p):
-            return (f"{p.redundant} redundant expert copies, but failover needs the shm transport: an FFN failure stops the "
+            return (f"{p.redundant} redundant expert copies, but failover needs the shm or tcp transport: an FFN failure stops the "
                     f"server on --transport {self.topology.transport}")
         single = p.single_copy()
         if single:
@@ -212,13 +221,16 @@ class Cluster:
             return False
         if not rank.joined:  # a replacement that died starting: nobody used it yet
             return True
-        alive = [r.spec.index for r in self.ranks if r.spec.role == Role.FFN and not r.lost and r.joined and r is not rank]
+        if self.node_rank > 0:  # node 0's attention ranks see the loss too, and node 0 decides whether the run goes on
+            return True
+        alive = [f for f in self._live_ffn() if f != rank.spec.index]
         return bool(alive) and not self.placement.orphans(alive)
 
     def _replica_survivable(self, rank: _Rank) -> bool:
         """An attention rank's loss is survived when another one serves (its requests move there) on the shm
         transport, once serving began."""
-        if rank.spec.role != Role.ATTENTION or not self._started or not self.replica_failover or self.topology.transport != "shm":
+        if (rank.spec.role != Role.ATTENTION or not self._started or not self.replica_failover
+                or self.topology.transport not in REOPENABLE):
             return False
         return any(not r.lost for r in self.attention_ranks() if r is not rank)
 
@@ -234,8 +246,9 @@ class Cluster:
             if not r.joined and not r.lost and r.spec.role == Role.FFN and {a.spec.index for a in self._live_attention()} <= r.linked:
                 self._replacement_event(rank, ("ffn_joined", r.spec.index, r.spec.generation))
         self._advance_rebalance()
-        if self._steps_store is not None:
-            self._steps_store.set(DEAD_KEY, json.dumps(dead))
+        store = self._steps_store or self._store  # where the step agreement's votes live
+        if store is not None:
+            store.set(DEAD_KEY, json.dumps(dead))
         self.replica_losses.append({"rank": rank.spec.index, "pid": rank.proc.pid, "cause": cause, "at": time.time()})
         log.warning("run %s: %s: its requests move to the other attention ranks; the steps go on without it", self.run_id, cause)
 
@@ -243,9 +256,12 @@ class Cluster:
         rank.lost = rank.done = True
         self.ffn_losses.append({"rank": rank.spec.index, "pid": rank.proc.pid, "cause": cause, "at": time.time(),
                                 "replacement": rank.spec.generation > 0 and not rank.joined})
-        alive = [r.spec.index for r in self.ranks if r.spec.role == Role.FFN and not r.lost and r.joined]
+        if self.node_rank > 0:
+            log.warning("run %s: %s: node 0's attention ranks go on without it (on its experts' copies); no replacement is "
+                        "started on a node other than node 0", self.run_id, cause)
+            return
         log.warning("run %s: %s: going on without it; its experts %s are served by their copies on FFN ranks %s", self.run_id, cause,
-                    list(self.placement.experts_of(rank.spec.index)), alive)
+                    list(self.placement.experts_of(rank.spec.index)), self._live_ffn())
         if self.replace_ffn:
             self._replace(rank)
         self._advance_rebalance()  # a rebalance waits no longer for it
@@ -253,6 +269,9 @@ class Cluster:
     def _ffn_reported_lost(self, index: int, generation: int, reason: str, by: _Rank) -> None:
         """An attention rank stopped using an FFN rank (dead, or silent past the link timeout): a hung one
         is killed, so that every attention rank sees the same loss (its links close)."""
+        if index in self.remote_ffn():
+            self._lose_remote_ffn(index, reason, by)
+            return
         rank = next((r for r in self.ranks if r.spec.role == Role.FFN and (r.spec.index, r.spec.generation) == (index, generation)), None)
         if rank is None or rank.lost:
             return
@@ -263,6 +282,19 @@ class Cluster:
                 pass
             rank.proc.join(2.0)
             self._lose_ffn(rank, f"{rank.spec.name} (pid {rank.proc.pid}) was killed: {by.spec.name} found it {reason.split(': ', 1)[-1]}")
+
+    def _lose_remote_ffn(self, index: int, reason: str, by: _Rank) -> None:
+        """An FFN rank of another node is gone (dead, or hung: its node's launcher is asked to kill it, so
+        that every attention rank sees the same loss). It is not replaced: only its node could start one."""
+        if index in self._remote_lost:
+            return
+        self._remote_lost.add(index)
+        node = self.topology.node_of("ffn", index)
+        self._store.set(f"{KILL_KEY}/f{index}", reason)
+        self.ffn_losses.append({"rank": index, "pid": None, "node": node, "cause": reason, "at": time.time(), "replacement": False})
+        log.warning("run %s: ffn rank %d on node %d lost (%s, found by %s): going on without it; its experts %s are served by their "
+                    "copies on FFN ranks %s", self.run_id, index, node, reason, by.spec.name, list(self.placement.experts_of(index)),
+                    self._live_ffn())
 
     # ------------------------------------------------------------------ start
     def _slot_bytes(self) -> int:
@@ -281,7 +313,7 @@ class Cluster:
         link = LinkSpec(t.transport, self.run_dir, num_slots=9, slot_bytes=self._slot_bytes(), connect_timeout=self.ready_timeout,
                         io_log=self.io_log, num_attention=t.num_attention_ranks, num_ffn=t.num_ffn_ranks,
                         heartbeat_interval=self.heartbeat_interval, link_timeout=self.link_timeout, backend=backend_for(t))
-        if t.transport == "torch":
+        if t.transport in ("torch", "tcp"):
             import datetime
 
             import torch.distributed as dist
@@ -295,7 +327,7 @@ class Cluster:
                 port = self.master_port
             link = replace(link, master_addr=self.master_addr, master_port=port)
         steps = None
-        if t.num_attention_ranks > 1 and Role.ATTENTION in self.local_roles():  # the step agreement's votes live here
+        if t.num_attention_ranks > 1 and self.node_rank == 0:  # the step agreement's votes live here
             if self._store is None:
                 import datetime
 
@@ -315,7 +347,7 @@ class Cluster:
         log.info("run %s: %s, placement %s, run dir %s", self.run_id, t, self.placement.describe(), self.run_dir)
         log.warning("%s", self.describe_redundancy())
         try:
-            for role, index in build_launch_order(t, self.local_roles()):
+            for role, index in build_launch_order(t, self.local_ranks()):
                 self._spawn(RankSpec(role, index, self.model_dir, t, self.placement, link, self.engine, self.link_timeout, self.pipeline,
                                      steps))
             deadline = time.monotonic() + self.ready_timeout
@@ -358,8 +390,9 @@ class Cluster:
             return
         generation = max(r.spec.generation for r in self.ranks if r.spec.role == Role.FFN and r.spec.index == index) + 1
         link = lost.spec.link
-        create_links(self.run_dir, self.topology.num_attention_ranks, self.topology.num_ffn_ranks, link.num_slots, link.slot_bytes,
-                     ffn_ranks=[index], generation=generation)
+        if link.transport == "shm":  # tcp: the replacement listens under its generation's key in the rendezvous store
+            create_links(self.run_dir, self.topology.num_attention_ranks, self.topology.num_ffn_ranks, link.num_slots, link.slot_bytes,
+                         ffn_ranks=[index], generation=generation)
         rank = self._spawn(replace(lost.spec, generation=generation, placement=self.placement, placement_version=self.placement_version),
                            joined=False, started_at=time.monotonic())
         log.warning("run %s: starting a replacement for ffn rank %d (pid %d, generation %d)", self.run_id, index, rank.proc.pid, generation)
@@ -409,6 +442,9 @@ class Cluster:
             raise RuntimeError("a replacement FFN rank is starting: rebalance once it is back in use")
         if self.topology.num_ffn_ranks < 2:
             raise RuntimeError("one FFN rank holds every expert: there is nothing to rebalance")
+        if self.remote_ffn():
+            raise RuntimeError("a rebalance needs every FFN rank started by this node's launcher; FFN ranks "
+                               f"{self.remote_ffn()} run on other nodes")
         load = list(self.expert_load() if load is None else load)
         new = ExpertPlacement.from_load(load, self.topology.num_ffn_ranks, self.placement.redundant)
         live = self._live_ffn()
@@ -430,7 +466,8 @@ class Cluster:
         return [a for a in self.attention_ranks() if not a.lost]
 
     def _live_ffn(self) -> list[int]:
-        return sorted({r.spec.index for r in self.ranks if r.spec.role == Role.FFN and not r.lost and r.joined})
+        local = {r.spec.index for r in self.ranks if r.spec.role == Role.FFN and not r.lost and r.joined}
+        return sorted(local | (set(self.remote_ffn()) - self._remote_lost))
 
     def _rebalance_event(self, r: _Rank, msg: tuple) -> None:
         rb = self._rebalance
@@ -542,16 +579,32 @@ class Cluster:
         self.shutdown(graceful=False)
         raise RankFailedError(f"run {self.run_id}: {reason}")
 
-    def local_roles(self) -> tuple[Role, ...]:
-        """One role per host in a multi-node run: node 0 attention (and the front end), node 1 FFN."""
-        if self.nnodes == 1:
-            return (Role.FFN, Role.ATTENTION)
-        return (Role.ATTENTION,) if self.node_rank == 0 else (Role.FFN,)
+    def local_ranks(self) -> list[tuple[Role, int]]:
+        """The ranks this node runs (every rank on a single host)."""
+        t = self.topology
+        return [(Role.ATTENTION, a) for a in range(t.num_attention_ranks) if t.node_of("attention", a) == self.node_rank] + [
+            (Role.FFN, f) for f in range(t.num_ffn_ranks) if t.node_of("ffn", f) == self.node_rank]
+
+    def remote_ffn(self) -> list[int]:
+        """FFN ranks another node runs (their losses reach this node's launcher through the attention ranks)."""
+        return [f for f in range(self.topology.num_ffn_ranks) if (Role.FFN, f) not in self.local_ranks()]
 
     def wait_until_done(self) -> None:
-        """On a node without attention ranks: serve until every local rank has finished (or one fails)."""
+        """On a node without attention ranks: serve until every local rank has finished (or one fails).
+        A local rank node 0 found hung (and asks, in the rendezvous store, to be killed) is killed."""
+        import datetime
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore(self.master_addr, self.master_port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=self.ready_timeout))
         while not all(r.done for r in self.ranks):
             self._poll(time.monotonic() + 24 * 3600, "the run to end")
+            for r in self.ranks:
+                key = f"{KILL_KEY}/f{r.spec.index}"
+                if r.spec.role == Role.FFN and not r.done and r.proc.is_alive() and store.check([key]):
+                    log.warning("run %s: killing %s (pid %d): node 0 %s", self.run_id, r.spec.name, r.proc.pid, store.get(key).decode())
+                    os.kill(r.proc.pid, signal.SIGKILL)  # our own child, by PID; its sentinel does the rest
 
     # ------------------------------------------------------------------ serving
     def attention_ranks(self) -> list[_Rank]:

@@ -109,9 +109,12 @@ COMBINE_BACKSTOP_S = 300.0
 
 
 def failover_enabled(topology: Topology, placement: ExpertPlacement) -> bool:
-    """Whether attention ranks survive an FFN rank's loss: redundant copies, on the shm transport (a dead
-    peer of a torch.distributed group can hang its collectives; loopback ranks are threads)."""
-    return placement.redundant > 0 and topology.transport == "shm"
+    """Whether attention ranks survive an FFN rank's loss: redundant copies, on a transport whose links can
+    be lost and reopened, shm or tcp (a torch.distributed group cannot lose or gain a member; loopback ranks
+    are threads)."""
+    from afd.connectors.factory import REOPENABLE
+
+    return placement.redundant > 0 and topology.transport in REOPENABLE
 
 
 def die_with_parent() -> None:

@@ -297,6 +297,8 @@ class FFNWorker:
                         raise
             for key, union in sorted(whole, key=lambda kv: kv[0]):
                 self._serve_union(key[2], union)
+        if self.lost_attention == (1 << self.num_attention_ranks) - 1:  # nobody said SHUTDOWN: their host is gone
+            raise PeerDiedError(f"{self.mailbox.name}: every attention rank is gone without a SHUTDOWN (their node, or the run, died)")
 
     def offer(self, version: int, model: MoEModel, placement: ExpertPlacement) -> None:
         """A rebalance (any thread): the experts of placement ``version``, loaded; installed between two rounds."""

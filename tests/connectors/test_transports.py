@@ -1,4 +1,4 @@
-"""Both transports copy bytes exactly, wake a sleeping receiver, and report a dead peer."""
+"""The transports copy bytes exactly, wake a sleeping receiver, and report a dead peer."""
 
 from __future__ import annotations
 
@@ -99,12 +99,16 @@ def _say_shutdown_and_exit(transport, arg, peer_open):
 def _open(transport, role, arg):
     if transport == "shm":
         return ShmMailbox(arg, role, 0, 1, num_slots=2, slot_bytes=4096)
+    if transport == "tcp":
+        from afd.connectors.tcp import TcpMailbox
+
+        return TcpMailbox(role, 0, 1, 1, "127.0.0.1", arg, timeout=30)
     from afd.connectors.torch_dist import TorchMailbox
 
     return TorchMailbox(role, 0, 1, 1, "127.0.0.1", arg, timeout=30)
 
 
-@pytest.mark.parametrize("transport", ["shm", "torch"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "torch"])
 def test_shutdown_then_close_is_not_a_death(transport, tmp_path):
     """A peer that says SHUTDOWN and exits at once: its link's EOF may already be there when the receiver
     drains for more messages (the two-node CI failure). SHUTDOWN is the last message on a link, so the
@@ -144,7 +148,7 @@ def _send_two(transport, arg, sent):
     box.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "torch", "loopback"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "torch", "loopback"])
 def test_a_zero_timeout_receive_returns_what_is_already_waiting(transport, tmp_path):
     """The FFN loop drains waiting work with recv(0.0): it must return messages already delivered (on shm
     it once returned None before looking, so nothing was ever drained)."""
@@ -184,3 +188,48 @@ def test_a_zero_timeout_receive_returns_what_is_already_waiting(transport, tmp_p
     finally:
         peer.kill()
         peer.join(10)
+
+
+def test_tcp_is_byte_exact_reports_a_death_and_reconnects_to_a_replacement():
+    """Frames of every size (beyond a socket buffer too) arrive as sent; a peer closing without SHUTDOWN is a
+    death naming it; a replacement under a new generation is reached by reconnect, and the old one's key
+    is never reused."""
+    import threading
+
+    import torch.distributed as dist
+
+    from afd.connectors.tcp import TcpMailbox
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    boxes = {}
+
+    def open_ffn(generation):
+        boxes[generation] = TcpMailbox(Role.FFN, 0, 1, 1, "127.0.0.1", store.port, timeout=30, generation=generation)
+
+    th = threading.Thread(target=open_ffn, args=(0,))
+    th.start()
+    attn = TcpMailbox(Role.ATTENTION, 0, 1, 1, "127.0.0.1", store.port, timeout=30)
+    th.join()
+    ffn = boxes[0]
+    for i, rows in enumerate([0, 1, 7, 300, 40000]):  # 40000 x 64 bf16: 5 MB, past any socket buffer
+        sent = _msg(i, rows)
+        th = threading.Thread(target=attn.send, args=(0, sent))
+        th.start()
+        got = ffn.recv(30)
+        th.join()
+        assert got.header.seq == i and torch.equal(got.tensors[TensorName.HIDDEN], sent.tensors[TensorName.HIDDEN])
+        assert torch.equal(got.tensors[TensorName.EXPERT_IDS], sent.tensors[TensorName.EXPERT_IDS])
+    assert ffn.recv(0.1) is None  # idle is quiet
+    ffn.close()  # gone without a SHUTDOWN
+    with pytest.raises(PeerDiedError, match="ffn rank 0 is gone") as died:
+        attn.recv(5)
+    assert died.value.peer == 0
+    th = threading.Thread(target=open_ffn, args=(1,))
+    th.start()
+    attn.reconnect(0, 1)
+    attn.send(0, _msg(9, rows=3))
+    th.join()
+    got = boxes[1].recv(10)  # the replacement accepts as it receives
+    assert got.header.seq == 9 and got.header.src_index == 0
+    boxes[1].close()
+    attn.close()

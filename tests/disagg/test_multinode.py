@@ -1,18 +1,29 @@
-"""Two invocations with --nnodes 2 (attention on node 0, FFN on node 1), each in its own network
-namespace joined by a veth pair, give the same output as a one-host run. Falls back to 127.0.0.1
-(and says so) where namespaces cannot be made."""
+"""Runs over several hosts, each host a network namespace:
+
+* ``afd generate --nnodes 2 --transport torch`` (attention on node 0, FFN on node 1, two namespaces joined
+  by a veth pair) gives the same output as a one-host run;
+* ``afd serve --nnodes 3 --transport tcp`` (node 0: the server and the attention rank, in this test's own
+  namespace; nodes 1 and 2: an FFN rank each, in namespaces of their own, each joined to node 0 by a veth
+  pair) serves the monolithic server's text; with every expert on both FFN ranks, the loss of node 2
+  (every process on it killed) under load costs no request and changes no text; SIGTERM on node 0 ends
+  the run on node 1 too, and nothing is left.
+
+Both fall back to 127.0.0.1 (and say so) where namespaces cannot be made."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+import signal
+import socket
 import subprocess
 import sys
 import uuid
 import warnings
 
 from afd.cli.common import BUILTIN_MODEL
+from tests.serving.server_proc import MODEL_NAME, Server
 
 ARGS = ["--prompt", "ROMEO:", "--prompt", "KING.\nWhat say you", "--prompt", "To be", "--max-tokens", "16",
         "--dtype", "float32", "--json", "--attention-ranks", "2", "--ffn-ranks", "2", "--transport", "torch",
@@ -91,3 +102,117 @@ def test_two_nodes_equal_one_host():
     rows_one = [json.loads(l) for l in one_host.splitlines()]
     rows_two = [json.loads(l) for l in two.splitlines()]
     assert len(rows_one) == 3 and [r["token_ids"] for r in rows_two] == [r["token_ids"] for r in rows_one]
+
+
+class Star:
+    """Hosts around this test's namespace: ``n`` network namespaces, each joined to this one by a veth pair
+    (only the namespaces and links this test made are touched; deleting a namespace removes its pair)."""
+
+    def __init__(self, n: int) -> None:
+        tag = uuid.uuid4().hex[:6]
+        self.ns = [f"afd{tag}n{k + 1}" for k in range(n)]
+        nets = random.sample(range(1, 250), n)
+        self.links = [(f"vh{tag}{k + 1}", f"vn{tag}{k + 1}", f"10.79.{net}.1", f"10.79.{net}.2") for k, net in enumerate(nets)]
+        self.made: list[str] = []
+
+    def __enter__(self) -> "Star":
+        try:
+            for ns, (here, there, addr_here, addr_there) in zip(self.ns, self.links):
+                subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+                self.made.append(ns)
+                for cmd in (["ip", "link", "add", here, "type", "veth", "peer", "name", there],
+                            ["ip", "link", "set", there, "netns", ns],
+                            ["ip", "addr", "add", f"{addr_here}/24", "dev", here], ["ip", "link", "set", here, "up"],
+                            ["ip", "-n", ns, "addr", "add", f"{addr_there}/24", "dev", there],
+                            ["ip", "-n", ns, "link", "set", "lo", "up"], ["ip", "-n", ns, "link", "set", there, "up"]):
+                    subprocess.run(cmd, check=True, capture_output=True)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for ns in self.made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def wrap(self, node: int, cmd: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.ns[node - 1], *cmd]
+
+    def master_addr(self, node: int) -> str:
+        """Node 0's address as node ``node`` reaches it."""
+        return self.links[node - 1][2]
+
+    def pids(self, node: int) -> list[int]:
+        out = subprocess.run(["ip", "netns", "pids", self.ns[node - 1]], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+
+class Loopback:
+    """The fallback: every node on 127.0.0.1 (a node's processes are then found by their parent)."""
+
+    def wrap(self, node: int, cmd: list[str]) -> list[str]:
+        return cmd
+
+    def master_addr(self, node: int) -> str:
+        return "127.0.0.1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _payload(i: int) -> dict:
+    return {"model": MODEL_NAME, "prompt": f"KING {i}:", "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_three_nodes_serve_the_monolithic_text_and_survive_an_ffn_nodes_loss():
+    try:
+        hosts = Star(2).__enter__()
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        warnings.warn(f"network namespaces unavailable ({e}); the three-node test runs over 127.0.0.1")
+        hosts = Loopback()
+    port = str(_free_port())
+    run_id = uuid.uuid4().hex[:12]
+    flags = ["--attention-ranks", "1", "--ffn-ranks", "2", "--transport", "tcp", "--redundant-experts", "8", "--hang-timeout", "2",
+             "--nnodes", "3", "--master-port", port]
+    env = {**os.environ, "AFD_NUM_THREADS": "1", "AFD_RUN_ID": run_id}
+    nodes = {k: subprocess.Popen(hosts.wrap(k, [sys.executable, "-m", "afd.cli.main", "serve", str(BUILTIN_MODEL), "--dtype", "float32",
+                                                *flags, "--node-rank", str(k), "--master-addr", hosts.master_addr(k)]),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for k in (1, 2)}
+    try:
+        with Server() as mono:
+            want = mono.streams([_payload(i) for i in range(6)])
+        with Server(*flags, "--node-rank", "0", "--master-addr", hosts.master_addr(1), env={"AFD_RUN_ID": run_id}) as s:
+            s.run_id = run_id  # every node's processes carry it: none may be left after the run
+            assert any("every expert is on at least two FFN ranks" in line for line in s.stderr)
+            assert len(s.rank_pids("attention")) == 1 and not s.rank_pids("ffn")  # node 0 runs no FFN rank
+            assert s.streams([_payload(i) for i in range(6)]) == want, "three nodes differ from the monolithic server"
+            node2 = hosts.pids(2) if isinstance(hosts, Star) else [nodes[2].pid, *_children(nodes[2].pid)]
+            assert nodes[2].pid in node2 and len(node2) >= 2  # its launcher and its FFN rank
+
+            def lose_node_2() -> None:
+                for pid in node2:  # every process on that host: ours, started by this test
+                    os.kill(pid, signal.SIGKILL)
+
+            got = s.streams([_payload(i) for i in range(6)], fault=lose_node_2)
+            assert got == want, "a stream failed or changed when node 2 was lost"
+            assert s.get("/health").status_code == 200
+            assert s.metric("afd_ffn_ranks_lost_total") == 1
+            assert s.streams([_payload(i) for i in range(6)]) == want  # and it goes on serving on node 1 alone
+            assert nodes[1].poll() is None
+        out, err = nodes[1].communicate(timeout=60)  # SIGTERM on node 0 ends the run on node 1
+        assert nodes[1].returncode == 0 and "the run ended" in out, err[-3000:]
+    finally:
+        for p in nodes.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        if isinstance(hosts, Star):
+            hosts.__exit__()

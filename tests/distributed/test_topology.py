@@ -116,3 +116,30 @@ def test_cli_shorthand_and_monolithic_default():
         parse_topology_args(None, None, 2, None)
     with pytest.raises(TopologyError, match="not both"):
         parse_topology_args("cpu", None, 2, 1)
+
+
+def test_nodes_default_to_attention_on_node_0_and_ffn_round_robin_over_the_others():
+    from afd.distributed.topology import default_nodes
+
+    assert default_nodes(1, 2, 3) == ((), ())  # one host: no node lists
+    assert default_nodes(3, 2, 3) == ((0, 0), (1, 2, 1))
+    assert default_nodes(2, 1, 2) == ((0,), (1, 1))
+    assert default_nodes(3, 1, 2, ffn_nodes="2,0") == ((0,), (2, 0))
+    for args, message in [((3, 1, 2, None, "1"), "1 nodes for 2 ranks"), ((3, 1, 2, None, "1,3"), r"nodes \[3\] are outside 0..2"),
+                          ((1, 1, 2, None, "0,0"), "need --nnodes 2"), ((3, 1, 2, None, "a,b"), "one node index per rank"),
+                          ((0, 1, 1), "--nnodes 0")]:
+        with pytest.raises(TopologyError, match=message):
+            default_nodes(*args)
+
+
+def test_multi_node_topologies_are_checked_per_host():
+    cuda = parse_devices("cuda:0,cuda:0")
+    t = Topology(parse_devices("cpu"), cuda, transport="tcp", attention_nodes=(0,), ffn_nodes=(1, 2))
+    validate_topology(t, 8)  # cuda:0 on two hosts: two devices
+    with pytest.raises(TopologyError, match="cuda:0 on node 1 is used twice"):
+        validate_topology(Topology(parse_devices("cpu"), cuda, transport="tcp", attention_nodes=(0,), ffn_nodes=(1, 1)), 8)
+    with pytest.raises(TopologyError, match="every attention rank runs on node 0"):
+        validate_topology(Topology(parse_devices("cpu"), parse_devices("cpu"), transport="tcp", attention_nodes=(1,), ffn_nodes=(0,)), 8)
+    with pytest.raises(TopologyError, match="needs --transport tcp"):
+        validate_topology(Topology(parse_devices("cpu"), parse_devices("cpu"), transport="shm", attention_nodes=(0,), ffn_nodes=(1,)), 8)
+    assert t.node_of("ffn", 1) == 2 and t.node_of("attention", 0) == 0 and t.num_nodes == 3

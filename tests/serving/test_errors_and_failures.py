@@ -232,35 +232,6 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_leaves_nothing():
         s.assert_nothing_left()
 
 
-def test_two_node_serving():
-    """--nnodes 2: node 1 runs the FFN ranks (no HTTP), node 0 the server and attention ranks; the text
-    equals the monolithic server's; SIGTERM on node 0 ends the run on both nodes."""
-    import random
-    import subprocess
-    import sys
-
-    from afd.cli.common import BUILTIN_MODEL
-
-    port = str(random.randint(20000, 40000))
-    flags = ["--attention-ranks", "1", "--ffn-ranks", "2", "--transport", "torch", "--nnodes", "2", "--master-addr", "127.0.0.1",
-             "--master-port", port]
-    node1 = subprocess.Popen([sys.executable, "-m", "afd.cli.main", "serve", str(BUILTIN_MODEL), "--dtype", "float32", *flags,
-                              "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "AFD_NUM_THREADS": "1"})
-    try:
-        with Server(*flags, "--node-rank", "0") as s, Server() as mono:
-            got = s.post("/v1/completions", json=body(max_tokens=24, temperature=0)).json()["choices"][0]["text"]
-            want = mono.post("/v1/completions", json=body(max_tokens=24, temperature=0)).json()["choices"][0]["text"]
-            assert got == want
-            assert len(s.rank_pids("attention")) == 1 and not s.rank_pids("ffn")  # node 0 holds no FFN rank
-        out, err = node1.communicate(timeout=60)
-        assert node1.returncode == 0, err
-        assert "the run ended" in out
-    finally:
-        if node1.poll() is None:
-            node1.kill()
-
-
 def test_busy_port_fails_at_once_and_starts_nothing():
     import socket
     import subprocess
