@@ -14,7 +14,6 @@ VARIABLES: dict[str, str] = {
     "AFD_MODEL": "default model directory for every command (overrides the built-in model)",
     "AFD_NUM_THREADS": "torch intra-op threads per process (default: torch's own choice)",
     "AFD_RUN_ID": "per-run id the launcher sets on every process it starts (a supervisor may preset it)",
-    "AFD_RANK": "set by the launcher on each rank process: its name, e.g. 'ffn rank 1'",
     "AFD_IO_LOG": "1: log every connector send and receive header (INFO level)",
     "AFD_E2E_ATTENTION_DEVICES": "tests/e2e: the attention devices of every end-to-end case (default cpu)",
     "AFD_E2E_FFN_DEVICES": "tests/e2e: the FFN devices of every end-to-end case (default cpu,cpu)",

@@ -294,16 +294,17 @@ def greedy_with_gaps(model, prompt: list[int], steps: int) -> tuple[list[int], l
 
 
 def run_processes(run_id: str) -> dict[int, str]:
-    """pid -> AFD_RANK (or '') of every live process whose environment carries this run id."""
+    """pid -> process title (``/proc/<pid>/comm``: ``afd ffn 1`` for a rank) of every live process whose
+    environment carries this run id (the launcher, the run's fork server, its ranks)."""
     found = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            comm = open(f"/proc/{pid}/comm").read().strip()
         except OSError:
             continue
         if f"AFD_RUN_ID={run_id}".encode() in env:
-            rank = [e[len(b"AFD_RANK="):].decode() for e in env if e.startswith(b"AFD_RANK=")]
-            found[int(pid)] = rank[0] if rank else ""
+            found[int(pid)] = comm
     return found

@@ -35,7 +35,7 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     c.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     c.add_argument("--tokens", default=",".join(map(str, SIZES)), help="payload rows T, comma-separated")
     c.add_argument("--iters", type=int, default=200, help="round trips per size (fewer for large sizes)")
-    c.add_argument("--transports", default="loopback,shm,torch")
+    c.add_argument("--transports", default="loopback,shm,tcp,torch")
     c.add_argument("--json", dest="json_out")
     c.set_defaults(func=run)
 
@@ -68,7 +68,7 @@ def _measure_transport(transport: str, payloads: list[torch.Tensor], base_iters:
             from afd.connectors.shm import create_links
 
             create_links(d, 1, 1, spec.num_slots, spec.slot_bytes)
-        if transport == "torch":
+        if transport in ("torch", "tcp"):
             import torch.distributed as dist
 
             store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from afd.connectors.protocol import Header, Kind, Message, Op, ProtocolError, Role, TensorName, make_message
-from afd.connectors.transport import ConnectorTimeout, Mailbox, PeerDiedError
+from afd.connectors.transport import ConnectorTimeout, Mailbox, PeerDiedError, PeerSilentError
 from afd.distributed.placement import ExpertPlacement, alive_mask, mask_ranks
 from afd.distributed.topology import Topology
 from afd.types import Routing
@@ -83,6 +83,7 @@ class FFNLoss:
     reason: str
     at: float  # time.monotonic()
     redispatched: int  # in-flight (seq, layer, micro-batch) units sent again to surviving copies
+    hung: bool = False  # silent past the link timeout (else its link closed: it died)
 
 
 class AttentionEndpoint:
@@ -303,7 +304,7 @@ class AttentionEndpoint:
         self.connected.discard(r)
         self.mailbox.forget(r)  # its link closing or its late messages are not news any more
         redo = [h for h in self._handles.values() if r in h.rows and r not in self._stash[h.key]]
-        loss = FFNLoss(r, self.generation.get(r, 0), str(error), time.monotonic(), len(redo))
+        loss = FFNLoss(r, self.generation.get(r, 0), str(error), time.monotonic(), len(redo), isinstance(error, PeerSilentError))
         self.losses.append(loss)
         log.warning("%s: lost %s (%s); re-dispatching %d in-flight units to FFN ranks %s", self.mailbox.name,
                     self.mailbox.peer_name(r), error, len(redo), alive)

@@ -39,6 +39,7 @@ from afd.connectors.protocol import Role
 from afd.connectors.transport import LoopbackHub
 from afd.distributed.devices import check_present
 from afd.distributed.topology import MULTI_HOST_TRANSPORTS, Topology, backend_for, validate_topology
+from afd.engine.forkserver import RunForkServer
 from afd.engine.ranks import EngineArgs, RankSpec, ReadyReport, run_rank
 from afd.engine.request import RequestOutput
 from afd.models.hf_config import load_model_config
@@ -188,6 +189,7 @@ class Cluster:
         self._rebalance: dict | None = None  # the one in progress
         self._deferred: list[_Rank] = []  # lost FFN ranks to replace once the rebalance in progress is done
         self._remote_lost: set[int] = set()  # FFN ranks of other nodes that node 0's attention ranks lost
+        self._forks: RunForkServer | None = None
         self._started = False
 
     def describe_limits(self) -> str:
@@ -266,7 +268,7 @@ class Cluster:
             self._replace(rank)
         self._advance_rebalance()  # a rebalance waits no longer for it
 
-    def _ffn_reported_lost(self, index: int, generation: int, reason: str, by: _Rank) -> None:
+    def _ffn_reported_lost(self, index: int, generation: int, reason: str, by: _Rank, hung: bool = True) -> None:
         """An attention rank stopped using an FFN rank (dead, or silent past the link timeout): a hung one
         is killed, so that every attention rank sees the same loss (its links close)."""
         if index in self.remote_ffn():
@@ -275,13 +277,17 @@ class Cluster:
         rank = next((r for r in self.ranks if r.spec.role == Role.FFN and (r.spec.index, r.spec.generation) == (index, generation)), None)
         if rank is None or rank.lost:
             return
+        if not hung:  # its link closed: it died, and its exit is at most a moment behind (the fork server reaps it)
+            rank.proc.join(1.0)
         if rank.proc.is_alive():
             try:
-                os.kill(rank.proc.pid, signal.SIGKILL)  # our own child, by PID
+                os.kill(rank.proc.pid, signal.SIGKILL)  # our own rank, by PID
             except ProcessLookupError:
                 pass
             rank.proc.join(2.0)
             self._lose_ffn(rank, f"{rank.spec.name} (pid {rank.proc.pid}) was killed: {by.spec.name} found it {reason.split(': ', 1)[-1]}")
+        else:
+            self._lose_ffn(rank, f"{rank.spec.name} (pid {rank.proc.pid}) died: {exit_reason(rank.proc.exitcode)}")
 
     def _lose_remote_ffn(self, index: int, reason: str, by: _Rank) -> None:
         """An FFN rank of another node is gone (dead, or hung: its node's launcher is asked to kill it, so
@@ -360,16 +366,16 @@ class Cluster:
             raise
 
     def _spawn(self, spec: RankSpec, **state) -> _Rank:
-        parent, child = mp.get_context("spawn").Pipe()
+        parent, child = mp.Pipe()
         if spec.link.transport == "loopback":
             proc = threading.Thread(target=run_rank, args=(spec, child, self._hub, False), name=spec.name, daemon=True)
         else:
-            proc = mp.get_context("spawn").Process(target=run_rank, args=(spec, child), name=f"afd-{spec.name.replace(' ', '-')}")
-        os.environ["AFD_RANK"] = spec.name  # visible in /proc/<pid>/environ of the rank
-        try:
-            proc.start()
-        finally:
-            os.environ.pop("AFD_RANK", None)
+            if self._forks is None:  # the run's fork server: torch imported once, every rank forked from it
+                self._forks = RunForkServer(self.run_id)
+            proc = self._forks.process(run_rank, (spec, child), f"afd-{spec.name.replace(' ', '-')}")
+        proc.start()
+        if not isinstance(proc, threading.Thread):
+            child.close()  # the rank holds its own copy
         rank = _Rank(spec, parent, proc, **state)
         self.ranks.append(rank)
         return rank
@@ -537,7 +543,7 @@ class Cluster:
                 elif msg[0] == "ffn_stats":
                     r.live_stats = msg[1]
                 elif msg[0] == "ffn_lost":
-                    self._ffn_reported_lost(msg[1], msg[2], msg[3], r)
+                    self._ffn_reported_lost(msg[1], msg[2], msg[3], r, hung=msg[4])
                 elif msg[0] in ("loaded", "ffn_joined", "ffn_join_failed"):
                     self._replacement_event(r, msg)
                 elif msg[0] in ("placement_ready", "placement_in_use"):
@@ -720,6 +726,9 @@ class Cluster:
         self._read_last_words()
         for r in self.ranks:
             r.conn.close()
+        if self._forks is not None:
+            self._forks.stop()
+            self._forks = None
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         self._store = self._steps_store = None

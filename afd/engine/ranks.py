@@ -134,9 +134,19 @@ def report_failure(conn, who: str, e: BaseException) -> None:
         pass
 
 
+def process_title(spec: RankSpec) -> str:
+    """What ``ps`` and ``/proc/<pid>/comm`` show for a rank (at most 15 bytes): ``afd attn 0``, ``afd ffn 1 g2``."""
+    role = "attn" if spec.role == Role.ATTENTION else "ffn"
+    return f"afd {role} {spec.index}" + (f" g{spec.generation}" if spec.generation else "")
+
+
 def _setup_process(spec: RankSpec, is_process: bool) -> None:
     if is_process:
         die_with_parent()
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, process_title(spec).encode()[:15])  # PR_SET_NAME
+        except OSError:
+            pass
         logging.basicConfig(level=logging.INFO if env.io_log() else logging.WARNING, stream=sys.stderr,
                             format=f"%(asctime)s {spec.name} %(levelname)s %(name)s: %(message)s")
         cores = spec.device.cores
@@ -182,7 +192,7 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
                                  failover=failover_enabled(t, spec.placement))
 
     def ffn_lost(loss) -> None:  # the launcher's news too: it kills a hung one and counts the loss
-        conn.send(("ffn_lost", loss.rank, loss.generation, loss.reason, loss.redispatched))
+        conn.send(("ffn_lost", loss.rank, loss.generation, loss.reason, loss.hung))
         _trace(runner, "ffn_lost", f"ffn rank {loss.rank} lost ({loss.reason}); {loss.redispatched} in-flight units re-dispatched")
 
     endpoint.on_ffn_lost = ffn_lost

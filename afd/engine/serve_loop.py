@@ -17,7 +17,7 @@ Events (replica -> front end):
     ("rejected", rid, message)                 the request could not be admitted
     ("need_wave", w)                           work arrived while the attention ranks wait: start wave w
     ("stats", stats)                           counters, when they changed while idle
-    ("ffn_lost", f, g, reason, n) / ("ffn_joined", f, g)  an attention rank stopped using FFN rank f / linked to its replacement
+    ("ffn_lost", f, g, reason, hung) / ("ffn_joined", f, g)  an attention rank stopped using FFN rank f / linked to its replacement
 
 Attention ranks step together (afd/attention/steps.py): work arriving while they wait
 asks for the next wave, and the front end starts it on every rank, once.

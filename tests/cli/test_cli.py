@@ -164,7 +164,7 @@ def test_bench_pipeline_and_connector_report_consistent_figures(tmp_path):
     out = tmp_path / "connector.json"
     afd("bench", "connector", "--tokens", "1,64", "--iters", "5", "--hidden", "256", "--json", str(out))
     one_way = json.loads(out.read_text())["one_way_s"]
-    assert {"memcpy", "loopback", "shm", "torch", "raw gloo"} <= set(one_way)
+    assert {"memcpy", "loopback", "shm", "tcp", "torch", "raw gloo"} <= set(one_way)
     assert all(len(v) == 2 and all(0 < t < 1 for t in v) for v in one_way.values()), one_way
 
 

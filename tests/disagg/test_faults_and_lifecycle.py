@@ -59,7 +59,7 @@ def test_killing_an_ffn_rank_fails_the_job_fast_and_leaves_nothing():
         victim = None
         deadline = time.monotonic() + 120
         while victim is None and time.monotonic() < deadline:
-            victim = next((pid for pid, rank in run_processes(run_id).items() if rank == "ffn rank 1"), None)
+            victim = next((pid for pid, rank in run_processes(run_id).items() if rank == "afd ffn 1"), None)
             time.sleep(0.2)
         assert victim is not None, "the FFN rank never started"
         time.sleep(4.0)  # READY and generating
@@ -102,7 +102,7 @@ def test_ctrl_c_stops_every_rank():
     )
     try:
         deadline = time.monotonic() + 120
-        while len(run_processes(run_id)) < 4 and time.monotonic() < deadline:  # launcher + 3 ranks
+        while len(run_processes(run_id)) < 5 and time.monotonic() < deadline:  # launcher, fork server, 3 ranks
             time.sleep(0.2)
         time.sleep(3.0)
         proc.send_signal(signal.SIGINT)

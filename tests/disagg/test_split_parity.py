@@ -2,7 +2,7 @@
 
 The full product runs over the loopback transport (ranks as threads, each with
 its own separately loaded weights); real processes over shm and over torch
-(gloo) run every topology once per transport, with the settings varied across
+(gloo) run every topology once per transport (tcp once, with redundant experts), with the settings varied across
 launches so that each gate and FFN placement is covered by both.
 """
 
@@ -87,6 +87,7 @@ REAL = [  # (transport, A, F, case, gate, dense_on, shared_on): every topology x
     ("torch", 3, 2, "builtin", "attention", "ffn", "attention"),
     ("torch", 2, 3, "ds-qlora-grouped-yarn", "ffn", "attention", "ffn"),
     ("shm-redundant", 2, 3, "builtin", "attention", "attention", "ffn"),  # every expert on two FFN ranks, as real processes
+    ("tcp-redundant", 3, 2, "qwen3-norm-topk", "ffn", "ffn", "ffn"),  # the multi-host transport, copies chosen FFN-side
 ]
 
 
