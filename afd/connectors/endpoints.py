@@ -93,7 +93,9 @@ class AttentionEndpoint:
     error names the experts lost."""
 
     def __init__(self, mailbox: Mailbox, topology: Topology, placement: ExpertPlacement, timeout: float = 60.0,
-                 failover: bool | None = None) -> None:
+                 failover: bool | None = None, placement_version: int = 0, generations: dict[int, int] | None = None) -> None:
+        """``placement_version``, ``generations`` (FFN rank -> its links' generation): where a restarted attention
+        rank starts (default: the run's start)."""
         self.mailbox = mailbox
         self.topology = topology
         self.placement = placement
@@ -101,12 +103,12 @@ class AttentionEndpoint:
         self.device = mailbox.device  # the rank's compute device: results arrive here
         self.alive = list(range(topology.num_ffn_ranks))  # FFN ranks in use, ascending
         self.connected = set(self.alive)  # FFN ranks with open, greeted links (a replacement: before it is admitted)
-        self.generation = {r: 0 for r in self.alive}  # FFN rank -> the generation of its links (replacements count up)
+        self.generation = {r: (generations or {}).get(r, 0) for r in self.alive}  # FFN rank -> its links' generation (replacements count up)
         self.joins: list[tuple[int, float]] = []  # (FFN rank, time.monotonic()) of every replacement admitted
         self._table = placement.copy_table(self.alive, self.device)
         self.failover = placement.redundant > 0 if failover is None else failover
-        self.placement_version = 0
-        self._placements = {0: placement}  # versions installed and not yet superseded (a rebalance in progress: two)
+        self.placement_version = placement_version
+        self._placements = {placement_version: placement}  # versions installed and not yet superseded (a rebalance in progress: two)
         self.timeout = timeout
         # several dispatches may be in flight (async micro-batches): results are matched by key
         self._handles: dict[tuple[int, int, int], DispatchHandle] = {}

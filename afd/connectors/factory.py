@@ -32,11 +32,16 @@ class LinkSpec:
 
 
 def make_mailbox(spec: LinkSpec, role: Role, index: int, num_peers: int, hub: LoopbackHub | None = None,
-                 device: str = "cpu", generation: int = 0) -> Mailbox:
+                 device: str = "cpu", generation: int = 0, incarnation: int = 0, ffn_generations: dict[int, int] | None = None) -> Mailbox:
     """``device``: the rank's compute device, where received tensors are delivered. ``generation`` > 0: a
-    replacement FFN rank's links (shm and tcp)."""
-    if generation and spec.transport not in REOPENABLE:
-        raise ValueError(f"a replacement rank's links need the shm or tcp transport, not {spec.transport}")
+    replacement FFN rank's links; ``incarnation`` > 0: a restarted attention rank's, to FFN ranks at
+    ``ffn_generations`` (shm and tcp)."""
+    if (generation or incarnation or ffn_generations) and spec.transport not in REOPENABLE:
+        raise ValueError(f"a replacement or restarted rank's links need the shm or tcp transport, not {spec.transport}")
+    if role == Role.FFN:
+        peer_generations = {p: generation for p in range(num_peers)} if generation else None
+    else:
+        peer_generations = dict(ffn_generations or {}) or None
     if spec.transport == "loopback":
         if hub is None:
             raise ValueError("the loopback transport needs the run's LoopbackHub (ranks must be threads of one process)")
@@ -45,12 +50,13 @@ def make_mailbox(spec: LinkSpec, role: Role, index: int, num_peers: int, hub: Lo
         from afd.connectors.shm import ShmMailbox
 
         return ShmMailbox(spec.run_dir, role, index, num_peers, spec.num_slots, spec.slot_bytes, spec.connect_timeout,
-                          spec.io_log, device, generations={p: generation for p in range(num_peers)} if generation else None)
+                          spec.io_log, device, generations=peer_generations, incarnation=incarnation)
     if spec.transport == "tcp":
         from afd.connectors.tcp import TcpMailbox
 
         return TcpMailbox(role, index, spec.num_attention, spec.num_ffn, spec.master_addr, spec.master_port,
-                          timeout=spec.connect_timeout, io_log=spec.io_log, device=device, generation=generation)
+                          timeout=spec.connect_timeout, io_log=spec.io_log, device=device, generation=generation,
+                          generations=peer_generations if role == Role.ATTENTION else None)
     if spec.transport == "torch":
         from afd.connectors.torch_dist import TorchMailbox
 

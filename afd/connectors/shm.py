@@ -36,12 +36,14 @@ _COUNT = struct.Struct("<Q")
 _FRAME = struct.Struct("<QQ")
 
 
-def _tag(role: Role, index: int) -> str:
-    return f"{'a' if role == Role.ATTENTION else 'f'}{index}"
+def _tag(role: Role, index: int, incarnation: int = 0) -> str:
+    return f"{'a' if role == Role.ATTENTION else 'f'}{index}" + (f"r{incarnation}" if incarnation else "")
 
 
-def _prefix(run_dir: Path, src: tuple[Role, int], dst: tuple[Role, int], generation: int = 0) -> Path:
-    """Generation g > 0: the links of the g-th replacement of the pair's FFN rank (new files, never reused)."""
+def _prefix(run_dir: Path, src: tuple, dst: tuple, generation: int = 0) -> Path:
+    """``src``, ``dst``: (role, index) or (role, index, incarnation), incarnation r > 0 for the r-th restart
+    of an attention rank. Generation g > 0: the links of the g-th replacement of the pair's FFN rank. New
+    files either way, never reused."""
     return Path(run_dir) / (f"{_tag(*src)}-{_tag(*dst)}" + (f".g{generation}" if generation else ""))
 
 
@@ -59,6 +61,19 @@ def create_links(run_dir: Path, num_attention: int, num_ffn: int, num_slots: int
                     fh.truncate(_CTRL + num_slots * slot_bytes)
                 os.mkfifo(f"{p}.data")
                 os.mkfifo(f"{p}.space")
+
+
+def create_attention_links(run_dir: Path, index: int, incarnation: int, ffn_generations: Sequence[int], num_slots: int,
+                           slot_bytes: int) -> None:
+    """The links of attention rank ``index``'s ``incarnation``-th restart to every FFN rank (each at its
+    current generation), before the restarted rank starts."""
+    for f, generation in enumerate(ffn_generations):
+        for src, dst in (((Role.ATTENTION, index, incarnation), (Role.FFN, f)), ((Role.FFN, f), (Role.ATTENTION, index, incarnation))):
+            p = _prefix(Path(run_dir), src, dst, generation)
+            with open(f"{p}.ring", "wb") as fh:
+                fh.truncate(_CTRL + num_slots * slot_bytes)
+            os.mkfifo(f"{p}.data")
+            os.mkfifo(f"{p}.space")
 
 
 class _Ring:
@@ -93,11 +108,15 @@ class ShmMailbox(Mailbox):
         io_log: bool = False,
         device: str = "cpu",
         generations: dict[int, int] | None = None,
+        incarnation: int = 0,
     ) -> None:
-        """``generations``: peer -> the generation of its links (default 0: the run's first links)."""
+        """``generations``: peer -> the generation of its links (default 0: the run's first links).
+        ``incarnation``: an attention rank's restart count (its links are new files)."""
         super().__init__(role, index, num_peers, io_log, device)
         self._run_dir, self._num_slots, self._slot_bytes = Path(run_dir), num_slots, slot_bytes
-        gen = generations or {}
+        gen = self._gen = dict(generations or {})
+        self._incarnation = incarnation
+        self._peer_incarnation: dict[int, int] = {}  # an FFN rank's view: attention peer -> its incarnation
         self._out: dict[int, _Ring] = {}
         self._in: dict[int, _Ring] = {}
         self._data_r: dict[int, int] = {}  # peer -> fd (incoming notifications)
@@ -114,7 +133,7 @@ class ShmMailbox(Mailbox):
         self._fd_peer = {fd: p for p, fd in self._data_r.items()}
 
     def _paths(self, p: int, generation: int) -> tuple[Path, Path]:
-        me, peer = (self.role, self.index), (self.peer_role, p)
+        me, peer = (self.role, self.index, self._incarnation), (self.peer_role, p, self._peer_incarnation.get(p, 0))
         return _prefix(self._run_dir, me, peer, generation), _prefix(self._run_dir, peer, me, generation)
 
     def _open_readers(self, p: int, generation: int) -> None:
@@ -132,7 +151,14 @@ class ShmMailbox(Mailbox):
     def reconnect(self, peer: int, generation: int, timeout: float = 30.0) -> None:
         """Drop the links to ``peer`` and open its generation-``generation`` links (a replacement rank)."""
         with self._send_lock:  # the heartbeat thread sends too
+            self._gen[peer] = generation
             self._reconnect(peer, generation, timeout)
+
+    def readmit(self, peer: int, incarnation: int, timeout: float = 30.0) -> None:
+        """An FFN rank: open the links of attention rank ``peer``'s restart ``incarnation``."""
+        with self._send_lock:
+            self._peer_incarnation[peer] = incarnation
+            self._reconnect(peer, self._gen.get(peer, 0), timeout)
 
     def _reconnect(self, peer: int, generation: int, timeout: float) -> None:
         self._fd_peer.pop(self._data_r.get(peer, -1), None)

@@ -121,8 +121,10 @@ class TcpMailbox(Mailbox):
         io_log: bool = False,
         device: str = "cpu",
         generation: int = 0,
+        generations: dict[int, int] | None = None,
     ) -> None:
-        """``generation``: an FFN rank's generation (0 at start; its replacements count up)."""
+        """``generation``: an FFN rank's generation (0 at start; its replacements count up). ``generations``:
+        an attention rank's view, FFN rank -> the generation it connects to (default 0)."""
         import torch.distributed as dist
 
         num_peers = num_ffn if role == Role.ATTENTION else num_attention
@@ -147,7 +149,7 @@ class TcpMailbox(Mailbox):
                     self._accept()
         else:
             for f in range(num_peers):
-                self._connect(f, 0)
+                self._connect(f, (generations or {}).get(f, 0))
 
     # ------------------------------------------------------------------ links
     def _accept(self) -> None:
@@ -174,12 +176,15 @@ class TcpMailbox(Mailbox):
             old.close()
         self.socks[peer] = sock
         self._sock_peer[sock.fileno()] = peer
+        self._rejoin(peer)  # a restarted attention rank (on the FFN side) is listened to again
 
     def reconnect(self, peer: int, generation: int, timeout: float = 30.0) -> None:
         """Drop the link to ``peer`` and connect to its generation-``generation`` replacement."""
         with self._send_lock:  # the heartbeat thread sends too
             self._connect(peer, generation)
-            self._rejoin(peer)
+
+    def readmit(self, peer: int, incarnation: int, timeout: float = 30.0) -> None:
+        """A restarted attention rank connects by itself (accepted as it comes, in :meth:`_recv`)."""
 
     # ------------------------------------------------------------------ send
     def _send(self, peer: int, header: bytes, payload: list[torch.Tensor]) -> None:

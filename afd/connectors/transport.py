@@ -199,7 +199,11 @@ class Mailbox(ABC):
 
     def reconnect(self, peer: int, generation: int, timeout: float = 30.0) -> None:
         """Open new links to a peer's replacement (generation ``generation``); the transport must support it."""
-        raise NotImplementedError(f"{type(self).__name__}: links cannot be reopened (a replacement rank needs the shm transport)")
+        raise NotImplementedError(f"{type(self).__name__}: links cannot be reopened (a replacement rank needs the shm or tcp transport)")
+
+    def readmit(self, peer: int, incarnation: int, timeout: float = 30.0) -> None:
+        """An FFN rank: take back attention rank ``peer`` after its restart (``incarnation``), on new links."""
+        raise NotImplementedError(f"{type(self).__name__}: links cannot be reopened (a restarted rank needs the shm or tcp transport)")
 
     def _rejoin(self, peer: int) -> None:
         """After :meth:`reconnect`: the peer is listened to, beaten to and watched for silence again."""

@@ -184,6 +184,10 @@ class Cluster:
         self.replace_ffn = True  # start a replacement for every lost FFN rank
         self.replica_failover = True  # a lost attention rank's requests move to another (A >= 2, shm)
         self.replica_losses: list[dict] = []
+        self.restart_replicas = True  # a lost single attention rank is restarted, its requests waiting for it
+        self.max_restarts = 3  # per attention rank, over the run
+        self.restarting: set[int] = set()  # attention ranks being restarted
+        self.replica_restarts: list[dict] = []  # every restart back in use: rank, pid, incarnation, seconds
         self.placement_version = 0  # of self.placement: a rebalance counts it up
         self.rebalances: list[dict] = []  # every rebalance done: version, load max/mean before and after, seconds
         self._rebalance: dict | None = None  # the one in progress
@@ -234,7 +238,51 @@ class Cluster:
         if (rank.spec.role != Role.ATTENTION or not self._started or not self.replica_failover
                 or self.topology.transport not in REOPENABLE):
             return False
-        return any(not r.lost for r in self.attention_ranks() if r is not rank)
+        return any(not r.lost for r in self.attention_ranks() if r is not rank) or self._can_restart(rank)
+
+    def _restarts_replicas(self) -> bool:
+        """Whether a lost attention rank is restarted (its requests wait for it): with one attention rank, on a
+        transport whose links reopen. (With several, its requests move to the others; a restart would have to
+        rejoin their step agreement, which is not built.)"""
+        return self.restart_replicas and self.topology.num_attention_ranks == 1 and self.topology.transport in REOPENABLE
+
+    def _can_restart(self, rank: _Rank) -> bool:
+        if not self._restarts_replicas() or self._closed or rank.spec.incarnation >= self.max_restarts:
+            return False
+        unsettled = [f.spec.name for f in self.ranks if f.spec.role == Role.FFN and not f.lost and not f.joined]
+        if unsettled:  # its links would go to an FFN rank still being replaced
+            log.warning("run %s: %s is not restarted: %s are starting", self.run_id, rank.spec.name, unsettled)
+            return False
+        return True
+
+    def _restart_replica(self, lost: _Rank) -> None:
+        """Start a lost attention rank again: the same index, links of a new incarnation to every FFN rank (at its
+        generation now), the placement in use. Its requests wait in the front end and resume on it once it is
+        READY (:meth:`_restarted`)."""
+        from afd.connectors.shm import create_attention_links
+
+        incarnation = lost.spec.incarnation + 1
+        live = {f.spec.index: f for f in self.ranks if f.spec.role == Role.FFN and not f.lost}
+        generations = tuple(live[f].spec.generation if f in live else 0 for f in range(self.topology.num_ffn_ranks))
+        link = lost.spec.link
+        if link.transport == "shm":
+            create_attention_links(self.run_dir, lost.spec.index, incarnation, generations, link.num_slots, link.slot_bytes)
+        spec = replace(lost.spec, incarnation=incarnation, ffn_generations=generations, placement=self.placement,
+                       placement_version=self.placement_version)
+        rank = self._spawn(spec, joined=False, started_at=time.monotonic())
+        self.restarting.add(lost.spec.index)
+        log.warning("run %s: restarting %s (pid %d, incarnation %d); its requests wait for it", self.run_id, lost.spec.name,
+                    rank.proc.pid, incarnation)
+
+    def _restarted(self, r: _Rank) -> tuple:
+        r.joined = True
+        self.restarting.discard(r.spec.index)
+        took = time.monotonic() - r.started_at
+        self.replica_restarts.append({"rank": r.spec.index, "pid": r.proc.pid, "incarnation": r.spec.incarnation, "seconds": took,
+                                      "at": time.time()})
+        log.warning("run %s: %s restarted (pid %d, incarnation %d) in %.1f s", self.run_id, r.spec.name, r.proc.pid,
+                    r.spec.incarnation, took)
+        return ("replica_restarted", r.spec.incarnation)
 
     def _lose_replica(self, rank: _Rank, cause: str) -> None:
         """Mark an attention rank dead where the step agreement looks (its peers go on in a new epoch)."""
@@ -243,7 +291,7 @@ class Cluster:
         from afd.attention.steps import DEAD_KEY
 
         rank.lost = rank.done = True
-        dead = sorted(self.attention_ranks().index(r) for r in self.attention_ranks() if r.lost)
+        dead = sorted(a.spec.index for a in self.attention_ranks() if a.lost)
         for r in self.ranks:  # a replacement, or a rebalance, waits no longer for it
             if not r.joined and not r.lost and r.spec.role == Role.FFN and {a.spec.index for a in self._live_attention()} <= r.linked:
                 self._replacement_event(rank, ("ffn_joined", r.spec.index, r.spec.generation))
@@ -252,7 +300,10 @@ class Cluster:
         if store is not None:
             store.set(DEAD_KEY, json.dumps(dead))
         self.replica_losses.append({"rank": rank.spec.index, "pid": rank.proc.pid, "cause": cause, "at": time.time()})
-        log.warning("run %s: %s: its requests move to the other attention ranks; the steps go on without it", self.run_id, cause)
+        if any(not a.lost for a in self.attention_ranks()):
+            log.warning("run %s: %s: its requests move to the other attention ranks; the steps go on without it", self.run_id, cause)
+        else:
+            log.warning("run %s: %s: its requests wait for its restart", self.run_id, cause)
 
     def _lose_ffn(self, rank: _Rank, cause: str) -> None:
         rank.lost = rank.done = True
@@ -355,7 +406,7 @@ class Cluster:
         try:
             for role, index in build_launch_order(t, self.local_ranks()):
                 self._spawn(RankSpec(role, index, self.model_dir, t, self.placement, link, self.engine, self.link_timeout, self.pipeline,
-                                     steps))
+                                     steps, attention_restart=self._restarts_replicas()))
             deadline = time.monotonic() + self.ready_timeout
             while any(r.ready is None for r in self.ranks):
                 self._poll(deadline, "READY")
@@ -405,6 +456,11 @@ class Cluster:
 
     def _replacement_event(self, r: _Rank, msg: tuple) -> None:
         """A replacement's progress: weights loaded (attention ranks link to it), then every attention rank linked."""
+        if msg[0] == "loaded" and r.spec.role == Role.ATTENTION:  # a restarted attention rank: the FFN ranks open its links
+            for f in self.ranks:
+                if f.spec.role == Role.FFN and not f.lost and not f.done:
+                    f.send(("attention_join", r.spec.index, r.spec.incarnation))
+            return
         if msg[0] == "loaded":
             for a in self._live_attention():
                 a.send(("ffn_join", r.spec.index, r.spec.generation))
@@ -469,7 +525,7 @@ class Cluster:
         return decision
 
     def _live_attention(self) -> list[_Rank]:
-        return [a for a in self.attention_ranks() if not a.lost]
+        return [a for a in self.attention_ranks() if not a.lost and a.joined]
 
     def _live_ffn(self) -> list[int]:
         local = {r.spec.index for r in self.ranks if r.spec.role == Role.FFN and not r.lost and r.joined}
@@ -482,7 +538,7 @@ class Cluster:
         if msg[0] == "placement_ready":
             rb["ready"].add(r.spec.index)
         else:
-            rb["in_use"].add(self.attention_ranks().index(r))
+            rb["in_use"].add(r.spec.index)
         self._advance_rebalance()
 
     def _advance_rebalance(self) -> None:
@@ -493,7 +549,7 @@ class Cluster:
             rb["sent"] = time.monotonic()
             for a in self._live_attention():
                 a.send(("placement", rb["version"], rb["new"]))
-        if {self.attention_ranks().index(a) for a in self._live_attention()} <= rb["in_use"]:
+        if {a.spec.index for a in self._live_attention()} <= rb["in_use"]:
             self.placement, self.placement_version = rb["new"], rb["version"]
             took = time.monotonic() - rb["started"]
             self.rebalances.append({k: rb[k] for k in ("version", "before", "after", "placement")} | {"seconds": took, "at": time.time()})
@@ -537,6 +593,8 @@ class Cluster:
                 elif msg[0] == "ready":
                     r.ready = msg[1]
                     log.info("%s READY (pid %d): %d tensors, %.1f MB read", r.spec.name, msg[1].pid, len(msg[1].tensors), msg[1].bytes_read / 1e6)
+                    if r.spec.role == Role.ATTENTION and r.spec.incarnation:
+                        got.append((r, self._restarted(r)))
                 elif msg[0] == "bye":
                     r.done = True
                     r.final_stats = msg[1]
@@ -570,6 +628,8 @@ class Cluster:
                     continue
                 if self._replica_survivable(r):
                     self._lose_replica(r, cause)
+                    if self._can_restart(r):
+                        self._restart_replica(r)
                     got.append((r, ("replica_lost", cause)))
                     continue
                 r.failed = True
@@ -606,15 +666,26 @@ class Cluster:
                               timeout=datetime.timedelta(seconds=self.ready_timeout))
         while not all(r.done for r in self.ranks):
             self._poll(time.monotonic() + 24 * 3600, "the run to end")
+            try:
+                asked = {r.spec.index for r in self.ranks if store.check([f"{KILL_KEY}/f{r.spec.index}"])}
+            except Exception as e:  # noqa: BLE001 - node 0's launcher hosts the store: it is gone
+                grace = time.monotonic() + 5.0  # at the end of a run it goes first: the SHUTDOWNs are on their way
+                while not all(r.done for r in self.ranks) and time.monotonic() < grace:
+                    self._poll(grace + 1.0, "the run to end", max_wait=0.2)
+                if all(r.done for r in self.ranks):
+                    break
+                self._fail(f"node 0's rendezvous ({self.master_addr}:{self.master_port}) is gone: node 0 was lost ({e})")
             for r in self.ranks:
                 key = f"{KILL_KEY}/f{r.spec.index}"
-                if r.spec.role == Role.FFN and not r.done and r.proc.is_alive() and store.check([key]):
+                if r.spec.role == Role.FFN and not r.done and r.proc.is_alive() and r.spec.index in asked:
                     log.warning("run %s: killing %s (pid %d): node 0 %s", self.run_id, r.spec.name, r.proc.pid, store.get(key).decode())
                     os.kill(r.proc.pid, signal.SIGKILL)  # our own child, by PID; its sentinel does the rest
 
     # ------------------------------------------------------------------ serving
     def attention_ranks(self) -> list[_Rank]:
-        return [r for r in self.ranks if r.spec.role == Role.ATTENTION]
+        """Each attention rank, in index order: its latest incarnation (a restart replaces a lost one)."""
+        latest = {r.spec.index: r for r in self.ranks if r.spec.role == Role.ATTENTION}
+        return [latest[a] for a in sorted(latest)]
 
     def generate(
         self,
@@ -649,9 +720,8 @@ class Cluster:
     def poll(self, timeout: float) -> list[tuple[int, tuple]]:
         """Messages from the attention ranks within ``timeout`` s, as (attention rank index, message).
         Raises :class:`RankFailedError` (after stopping every rank) when any rank fails."""
-        index = {id(r): i for i, r in enumerate(self.attention_ranks())}
-        return [(index[id(r)], msg) for r, msg in self._poll(time.monotonic() + 24 * 3600, "events", max_wait=timeout)
-                if id(r) in index]
+        return [(r.spec.index, msg) for r, msg in self._poll(time.monotonic() + 24 * 3600, "events", max_wait=timeout)
+                if r.spec.role == Role.ATTENTION]
 
     def request_all(self, commands: Sequence[tuple], reply: str, timeout: float = 600.0) -> list:
         """Send attention rank i ``commands[i]`` (all at once) and wait for every reply, in rank order."""

@@ -70,6 +70,9 @@ class RankSpec:
     steps: tuple[str, int] | None = None  # (host, port) of the step agreement's store; None: one attention rank
     generation: int = 0  # > 0: the generation-th replacement of a lost FFN rank (links of its own)
     placement_version: int = 0  # of ``placement`` (a replacement started after a rebalance holds a later one)
+    incarnation: int = 0  # > 0: the incarnation-th restart of a lost attention rank (links of its own)
+    ffn_generations: tuple[int, ...] = ()  # a restarted attention rank: each FFN rank's generation now
+    attention_restart: bool = False  # an FFN rank: a lost attention rank is restarted (wait for it, take it back)
 
     @property
     def name(self) -> str:
@@ -135,9 +138,11 @@ def report_failure(conn, who: str, e: BaseException) -> None:
 
 
 def process_title(spec: RankSpec) -> str:
-    """What ``ps`` and ``/proc/<pid>/comm`` show for a rank (at most 15 bytes): ``afd attn 0``, ``afd ffn 1 g2``."""
+    """What ``ps`` and ``/proc/<pid>/comm`` show for a rank (at most 15 bytes): ``afd attn 0``, ``afd ffn 1 g2``
+    (a replacement), ``afd attn 0 r1`` (a restart)."""
     role = "attn" if spec.role == Role.ATTENTION else "ffn"
-    return f"afd {role} {spec.index}" + (f" g{spec.generation}" if spec.generation else "")
+    return (f"afd {role} {spec.index}" + (f" g{spec.generation}" if spec.generation else "")
+            + (f" r{spec.incarnation}" if spec.incarnation else ""))
 
 
 def _setup_process(spec: RankSpec, is_process: bool) -> None:
@@ -181,7 +186,11 @@ def _load(spec: RankSpec):
 def _attention_main(spec: RankSpec, conn, hub) -> None:
     model, ready = _load(spec)
     t = spec.topology
-    mailbox = make_mailbox(spec.link, Role.ATTENTION, spec.index, t.num_ffn_ranks, hub, spec.device.torch_device)
+    generations = dict(enumerate(spec.ffn_generations))
+    if spec.incarnation:  # a restart: the FFN ranks open their ends of its links once its weights are in
+        conn.send(("loaded", spec.incarnation))
+    mailbox = make_mailbox(spec.link, Role.ATTENTION, spec.index, t.num_ffn_ranks, hub, spec.device.torch_device,
+                           incarnation=spec.incarnation, ffn_generations=generations)
     mailbox.jitter = env.send_jitter()
     fault = env.fault()
     if fault is not None and spec.index == 0 and fault[0] not in ("engine-step", "ffn-kill", "ffn-hang"):
@@ -189,7 +198,8 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
     # a combine's wait is bounded by liveness (a peer silent for the link timeout is hung); the endpoint's own
     # timeout is only the backstop for a peer that beats but never answers (a bug), so it is long
     endpoint = AttentionEndpoint(mailbox, t, spec.placement, max(COMBINE_BACKSTOP_S, spec.link_timeout),
-                                 failover=failover_enabled(t, spec.placement))
+                                 failover=failover_enabled(t, spec.placement), placement_version=spec.placement_version,
+                                 generations=generations)
 
     def ffn_lost(loss) -> None:  # the launcher's news too: it kills a hung one and counts the loss
         conn.send(("ffn_lost", loss.rank, loss.generation, loss.reason, loss.hung))
@@ -338,6 +348,7 @@ def _ffn_main(spec: RankSpec, conn, hub) -> None:
         threading.Thread(target=_rebalance_loader, args=(spec, conn, send, worker), name=f"{spec.name} rebalance", daemon=True).start()
         worker.on_installed = lambda version: send(("placement_ready", version))
         worker.on_attention_silent = lambda rank, reason: send(("attention_silent", rank, reason))
+        worker.attention_restart = spec.attention_restart
         worker.delay = env.ffn_delay()
         fault = env.fault()
         if (fault is not None and fault[0] in ("ffn-kill", "ffn-hang") and spec.index == spec.topology.num_ffn_ranks - 1
@@ -370,6 +381,9 @@ def _rebalance_loader(spec: RankSpec, conn, send, worker: FFNWorker) -> None:
     try:
         while True:
             cmd = conn.recv()
+            if cmd[0] == "attention_join":  # ("attention_join", attention rank, incarnation): its restart's links
+                worker.relink(cmd[1], cmd[2])
+                continue
             if cmd[0] != "placement":
                 raise ValueError(f"unknown FFN rank command {cmd[0]!r}")
             version, placement = cmd[1], cmd[2]

@@ -87,6 +87,9 @@ class FFNWorker:
         self.expert_gemm_rows = 0  # rows over all of them
         self.retries = 0  # re-dispatched parts computed (Op.RETRY)
         self.lost_attention = 0  # bitmask of attention ranks that died (their parts never come)
+        self.attention_restart = False  # a lost attention rank is restarted: wait for it (its HELLO takes it back)
+        self.attention_restarts = 0  # attention ranks taken back after a restart
+        self._relink: queue.Queue = queue.Queue()  # (attention rank, incarnation): open its restart's links (another thread asks)
         self._open: set[int] = set()
         self.on_attention_silent = None  # called with (attention rank, reason) when one is found hung
         self._checked_at = 0.0
@@ -223,7 +226,8 @@ class FFNWorker:
         now are, to compute. Its own parts are computed with them, their results dropped."""
         log.warning("%s: lost %s; completing the unions that waited on it", self.mailbox.name, self.mailbox.peer_name(rank))
         self.mailbox.forget(rank)
-        open_ranks.discard(rank)
+        if not self.attention_restart:  # else it stays open: its restart says HELLO on new links
+            open_ranks.discard(rank)
         self.lost_attention |= 1 << rank
         self.owed.pop(rank, None)
         whole = [(key, u) for key, u in self._unions.items() if u.is_whole(self.lost_attention)]
@@ -241,6 +245,7 @@ class FFNWorker:
                 self._serve_union(key[2], union)
             self._tick()
             self._install_offered()
+            self._relink_restarted()
             self._retire(open_ranks)
             whole = []
             try:
@@ -279,6 +284,8 @@ class FFNWorker:
                 elif h.kind == Kind.HEARTBEAT:
                     continue
                 elif h.kind == Kind.HELLO:  # the version was checked when the header was read
+                    if self.lost_attention >> h.src_index & 1:
+                        self._readmit(h.src_index)
                     self.mailbox.send(h.src_index, make_message(Header(Kind.HELLO, Role.FFN, self.mailbox.index, h.src_index), {}))
                 else:
                     try:
@@ -299,6 +306,26 @@ class FFNWorker:
                 self._serve_union(key[2], union)
         if self.lost_attention == (1 << self.num_attention_ranks) - 1:  # nobody said SHUTDOWN: their host is gone
             raise PeerDiedError(f"{self.mailbox.name}: every attention rank is gone without a SHUTDOWN (their node, or the run, died)")
+
+    def relink(self, attention_rank: int, incarnation: int) -> None:
+        """A lost attention rank was restarted (any thread): open the links of its ``incarnation``, between two rounds."""
+        self._relink.put((attention_rank, incarnation))
+
+    def _relink_restarted(self) -> None:
+        while not self._relink.empty():
+            rank, incarnation = self._relink.get()
+            self.mailbox.readmit(rank, incarnation)
+            log.warning("%s: linked to attention rank %d's restart (incarnation %d)", self.mailbox.name, rank, incarnation)
+
+    def _readmit(self, rank: int) -> None:
+        """A lost attention rank's restart said HELLO: it contributes again, from its own first step."""
+        self.lost_attention &= ~(1 << rank)
+        for key in [k for k in self._last if k[0] == rank]:  # its steps count from the start again
+            del self._last[key]
+        self._newest_seen.pop(rank, None)
+        self._open.add(rank)
+        self.attention_restarts += 1
+        log.warning("%s: attention rank %d is back (restarted)", self.mailbox.name, rank)
 
     def offer(self, version: int, model: MoEModel, placement: ExpertPlacement) -> None:
         """A rebalance (any thread): the experts of placement ``version``, loaded; installed between two rounds."""

@@ -171,12 +171,17 @@ class ClusterReplicas:
 
     @property
     def lost(self) -> set[int]:
-        """Replicas (attention ranks) the run goes on without."""
-        return {i for i, r in enumerate(self.cluster.attention_ranks()) if r.lost}
+        """Replicas (attention ranks) not serving: lost, or restarting."""
+        return {i for i, r in enumerate(self.cluster.attention_ranks()) if r.lost or not r.joined}
+
+    @property
+    def restarting(self) -> set[int]:
+        """Lost replicas being restarted: their requests wait for them."""
+        return set(self.cluster.restarting)
 
     def send(self, replica: int, cmd: tuple) -> None:
         rank = self.cluster.attention_ranks()[replica]
-        if rank.lost:  # its requests were moved; an abort or a wave for it has nobody to reach
+        if rank.lost or not rank.joined:  # its requests were moved, or wait for its restart: nobody to reach
             return
         rank.send(cmd)
 
@@ -189,7 +194,10 @@ class ClusterReplicas:
             raise ReplicaFailed(str(e)) from None
         out = []
         for replica, msg in events:
-            if msg[0] == "need_wave":  # a rank got work while all wait: every rank joins the next wave, once
+            if msg[0] == "replica_restarted":  # serving from now on; the front end resumes its requests on it
+                self.send(replica, ("serve", self.pipeline, {}))
+                out.append((replica, msg))
+            elif msg[0] == "need_wave":  # a rank got work while all wait: every rank joins the next wave, once
                 if msg[1] > self._wave:
                     self._wave = msg[1]
                     for i in range(self.num):
@@ -208,6 +216,9 @@ class ClusterReplicas:
 
     def replica_losses(self) -> list[dict]:
         return list(self.cluster.replica_losses)
+
+    def replica_restarts(self) -> list[dict]:
+        return list(self.cluster.replica_restarts)
 
     def ffn_losses(self) -> list[dict]:
         """The FFN ranks the run went on without (afd/engine/launcher.py)."""
@@ -355,6 +366,10 @@ class Frontend:
         """A replica died: every request it held goes to the least-loaded live one, as its prompt plus the
         tokens it streamed (recomputed there; the client sees no error and no repeated text). Event loop."""
         live = [i for i in range(self.replicas.num) if i not in getattr(self.replicas, "lost", ())]
+        if not live and lost in getattr(self.replicas, "restarting", ()):
+            waiting = sum(1 for s in self._streams.values() if s.replica == lost and not s.finished and not s.stopped)
+            log.warning("replica %d lost (%s): %d requests wait for its restart", lost, cause, waiting)
+            return  # they stay on it, and resume there (_resume_on)
         if not live:
             self._fail(cause)
             return
@@ -376,6 +391,21 @@ class Frontend:
         if self.metrics is not None:
             self.metrics.requests_moved.inc(moved)
         log.warning("replica %d lost (%s): %d requests moved to replicas %s", lost, cause, moved, live)
+
+    def _resume_on(self, replica: int) -> None:
+        """A lost replica is back (restarted): every request that waited for it resumes there from what it
+        streamed, as a moved request does. Event loop."""
+        self._adds.pop(replica, None)  # what was queued for it while it was away is in the streams below
+        resumed = 0
+        for stream in list(self._streams.values()):
+            if stream.replica != replica or stream.finished or stream.stopped:
+                continue
+            stream.moves += 1
+            resumed += 1
+            self._add(replica, (stream.rid, stream.prompt_ids, stream.params, list(stream.token_ids)))
+        if self.metrics is not None:
+            self.metrics.requests_moved.inc(resumed)
+        log.warning("replica %d restarted: %d requests resume on it", replica, resumed)
 
     def _add(self, replica: int, request: tuple) -> None:
         """Queue a request for its replica; what arrives in one turn of the event loop goes as one message,
@@ -407,11 +437,13 @@ class Frontend:
                 self._fail(f"front end failed: {e}")
                 return
             batch = []  # everything of this round reaches the event loop in one wake-up, not one per token
-            lost = []
+            lost, back = [], []
             for replica, msg in events:
                 kind = msg[0]
                 if kind == "replica_lost":
                     lost.append((replica, msg[1]))
+                elif kind == "replica_restarted":
+                    back.append(replica)
                 elif kind == "deltas":
                     self._update_stats(replica, msg[2])
                     for d in msg[1]:
@@ -425,6 +457,8 @@ class Frontend:
                 self.loop.call_soon_threadsafe(self._put_all, batch)
             for replica, cause in lost:  # after the deltas it sent before it died
                 self.loop.call_soon_threadsafe(self._move_from, replica, cause)
+            for replica in back:
+                self.loop.call_soon_threadsafe(self._resume_on, replica)
 
     def _with_text(self, replica: int, d: TokenDelta) -> TokenDelta | None:
         """The delta with the text its token makes visible, and the end a stop string makes (then the

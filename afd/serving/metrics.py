@@ -131,9 +131,13 @@ class _EngineCollector:
         yield stale
         replica_losses = getattr(self.frontend.replicas, "replica_losses", None)
         if replica_losses is not None:
-            gone = CounterMetricFamily("afd_replicas_lost", "Attention ranks the run went on without (their requests moved)")
+            gone = CounterMetricFamily("afd_replicas_lost", "Attention ranks lost while serving (their requests moved, or waited "
+                                       "for a restart)")
             gone.add_metric([], len(replica_losses()))
             yield gone
+            again = CounterMetricFamily("afd_replicas_restarted", "Lost attention ranks restarted and back in use")
+            again.add_metric([], len(self.frontend.replicas.replica_restarts()))
+            yield again
         losses = getattr(self.frontend.replicas, "ffn_losses", None)
         if losses is not None:
             lost = CounterMetricFamily("afd_ffn_ranks_lost", "FFN ranks the run went on without (died, or killed when found hung)")
