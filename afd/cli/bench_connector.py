@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import multiprocessing as mp
 import os
 import statistics
 import tempfile
@@ -38,6 +37,15 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     c.add_argument("--transports", default="loopback,shm,tcp,torch")
     c.add_argument("--json", dest="json_out")
     c.set_defaults(func=run)
+
+
+def _forks():
+    """Peers are forked from one preloaded server (torch imported once, not once per transport)."""
+    import uuid
+
+    from afd.engine.forkserver import RunForkServer
+
+    return RunForkServer.of_run(os.environ.setdefault("AFD_RUN_ID", f"bench-{uuid.uuid4().hex[:8]}"))
 
 
 def _iters(base: int, nbytes: int) -> int:
@@ -77,7 +85,7 @@ def _measure_transport(transport: str, payloads: list[torch.Tensor], base_iters:
             hub = LoopbackHub()
             peer = threading.Thread(target=_echo, args=(spec, sum(counts), hub), daemon=True)
         else:
-            peer = mp.get_context("spawn").Process(target=_echo, args=(spec, sum(counts)))
+            peer = _forks().process(_echo, (spec, sum(counts)), "afd-bench-echo")
         peer.start()
         box = make_mailbox(spec, Role.ATTENTION, 0, 1, hub)
         results, seq = [], 0
@@ -117,7 +125,7 @@ def _measure_gloo(payloads: list[torch.Tensor], base_iters: int) -> list[float]:
 
     counts = [_iters(base_iters, p.numel() * p.element_size()) + 5 for p in payloads]
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
-    peer = mp.get_context("spawn").Process(target=_gloo_peer, args=(store.port, [tuple(p.shape) for p in payloads], counts, payloads[0].dtype))
+    peer = _forks().process(_gloo_peer, (store.port, [tuple(p.shape) for p in payloads], counts, payloads[0].dtype), "afd-bench-gloo")
     peer.start()
     dist.init_process_group("gloo", store=store, rank=0, world_size=2)
     results = []

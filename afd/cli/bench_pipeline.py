@@ -19,6 +19,7 @@ per FFN batch, FFN CPU seconds per generated token, the straggler wait, tokens/s
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import statistics
 import sys
@@ -238,9 +239,13 @@ def _auto_costs(model_dir: Path, args) -> CostModel:
 
 
 def run(args: argparse.Namespace) -> int:
+    import uuid
+
     from afd.models import load_model_config
     from afd.models.synthetic import deepseek_v2_lite_shaped, write_random_checkpoint
 
+    # one run id for every launch of the benchmark: they share one fork server (torch imported once)
+    os.environ.setdefault("AFD_RUN_ID", f"bench-{uuid.uuid4().hex[:8]}")
     tmp = None
     if args.model:
         model_dir = Path(args.model)

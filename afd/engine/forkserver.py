@@ -7,7 +7,11 @@ preloaded), and every rank, replacements included, is forked from it in a fracti
 
 * The server is the run's own, started after ``AFD_RUN_ID`` is set: every rank inherits that environment,
   so ``/proc/<pid>/environ`` still finds a run's processes. (A rank names itself in ``/proc/<pid>/comm``,
-  e.g. ``afd ffn 1``: a forked process cannot carry an environment of its own there.)
+  e.g. ``afd ffn 1``: a forked process cannot carry an environment of its own there.) Where the run id
+  was preset (a supervisor, a benchmark or a test session running many runs under one id), the runs of
+  one process share one server, kept until the process exits.
+* A rank's ``os.environ`` is the launcher's at the moment it started the rank (the spec carries it), not
+  the server's older one: a variable set or removed since is seen as it is now.
 * Nothing but imports has happened in the server (no threads, no accelerator context), so forking it is
   as clean as spawning.
 * A rank's parent is the server, which exits when the launcher does; ranks die with it
@@ -37,6 +41,13 @@ class RunForkServer:
         self._server.set_forkserver_preload(PRELOAD)
         with _LOCK:
             _SERVERS[run_id] = self
+
+    @classmethod
+    def of_run(cls, run_id: str) -> "RunForkServer":
+        """The server of runs under ``run_id`` in this process: started on first use."""
+        with _LOCK:
+            server = _SERVERS.get(run_id)
+        return server if server is not None else cls(run_id)
 
     def process(self, target, args: tuple, name: str) -> "RankProcess":
         proc = RankProcess(target=target, args=args, name=name)

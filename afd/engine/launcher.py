@@ -422,7 +422,8 @@ class Cluster:
             proc = threading.Thread(target=run_rank, args=(spec, child, self._hub, False), name=spec.name, daemon=True)
         else:
             if self._forks is None:  # the run's fork server: torch imported once, every rank forked from it
-                self._forks = RunForkServer(self.run_id)
+                self._forks = RunForkServer.of_run(self.run_id)
+            spec = replace(spec, env=dict(os.environ))  # the rank's environment: this one, now
             proc = self._forks.process(run_rank, (spec, child), f"afd-{spec.name.replace(' ', '-')}")
         proc.start()
         if not isinstance(proc, threading.Thread):
@@ -669,12 +670,13 @@ class Cluster:
             try:
                 asked = {r.spec.index for r in self.ranks if store.check([f"{KILL_KEY}/f{r.spec.index}"])}
             except Exception as e:  # noqa: BLE001 - node 0's launcher hosts the store: it is gone
-                grace = time.monotonic() + 5.0  # at the end of a run it goes first: the SHUTDOWNs are on their way
+                grace = time.monotonic() + 2.0  # at the end of a run it goes first: the SHUTDOWNs are on their way
                 while not all(r.done for r in self.ranks) and time.monotonic() < grace:
                     self._poll(grace + 1.0, "the run to end", max_wait=0.2)
                 if all(r.done for r in self.ranks):
                     break
-                self._fail(f"node 0's rendezvous ({self.master_addr}:{self.master_port}) is gone: node 0 was lost ({e})")
+                self._fail(f"node 0's rendezvous ({self.master_addr}:{self.master_port}) is gone: node 0 was lost "
+                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__})")
             for r in self.ranks:
                 key = f"{KILL_KEY}/f{r.spec.index}"
                 if r.spec.role == Role.FFN and not r.done and r.proc.is_alive() and r.spec.index in asked:
@@ -797,7 +799,8 @@ class Cluster:
         for r in self.ranks:
             r.conn.close()
         if self._forks is not None:
-            self._forks.stop()
+            if self._set_run_id:  # this run's own id: nobody else forks from it (a preset id's server stays for the next run)
+                self._forks.stop()
             self._forks = None
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)

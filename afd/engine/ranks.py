@@ -73,6 +73,7 @@ class RankSpec:
     incarnation: int = 0  # > 0: the incarnation-th restart of a lost attention rank (links of its own)
     ffn_generations: tuple[int, ...] = ()  # a restarted attention rank: each FFN rank's generation now
     attention_restart: bool = False  # an FFN rank: a lost attention rank is restarted (wait for it, take it back)
+    env: dict[str, str] | None = None  # a process rank's environment (the launcher's when it started the rank)
 
     @property
     def name(self) -> str:
@@ -148,6 +149,10 @@ def process_title(spec: RankSpec) -> str:
 def _setup_process(spec: RankSpec, is_process: bool) -> None:
     if is_process:
         die_with_parent()
+        if spec.env is not None:  # forked from a fork server that may have started under another environment
+            for key in set(os.environ) - set(spec.env):
+                del os.environ[key]
+            os.environ.update(spec.env)
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, process_title(spec).encode()[:15])  # PR_SET_NAME
         except OSError:
