@@ -1,8 +1,9 @@
 """Ordinary continuous-batching load does not blow up memory: 48 sequences decode when a 1900-token prompt
 arrives, on a real ``afd serve`` of a checkpoint with DeepSeek-V2-Lite's attention dimensions (2 layers,
-small experts). The server's peak RSS, sampled while it runs, grows by less than the step budget it
-states at start (and far less than the 2 GiB the issue allows); every request completes; the server is
-still up. Before, attention padded every sequence to the longest query and context: this step alone
+small experts). The server's peak RSS (its HTTP process plus its engine-core process, where the steps run),
+sampled while it runs, grows by less than the step budget it states at start (and far less than the 2 GiB
+the issue allows); every request completes, the decodes still running when the long prompt joins; the
+server is still up. Before, attention padded every sequence to the longest query and context: this step alone
 needed ~15 GiB of masks and scores, and the server was OOM-killed."""
 
 from __future__ import annotations
@@ -33,29 +34,36 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-async def stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, started: list) -> int:
+async def stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, started: list) -> tuple[int, float, float]:
+    """(tokens streamed, time of the first, time of the last)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
-    n = 0
+    n, first, last = 0, 0.0, 0.0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if line.startswith("data:") and line != "data: [DONE]":
                 n += 1
+                last = time.monotonic()
                 if n == 1:
+                    first = last
                     started.append(time.monotonic())
-    return n
+    return n, first, last
+
+
+DECODE_TOKENS = 96  # each decode outlasts the long prompt's prefill (checked below)
 
 
 def test_a_long_prompt_joining_48_decodes_stays_within_the_step_budget(checkpoint):
     with ServerProcess(checkpoint, "--dtype", "float32", "--kv-cache-memory", "512M", env={"AFD_NUM_THREADS": "1"}) as server:
         stated = int(re.search(r"step memory (\d+) MiB", "".join(server.stderr)).group(1))
-        pid = server.proc.pid
+        ranks = httpx.get(server.url + "/health").json()["ranks"]
+        pids = (server.proc.pid, next(r["pid"] for r in ranks if r["name"] == "engine core"))  # HTTP process, engine process
         samples: list[tuple[float, float]] = []
         stop = threading.Event()
 
         def sample() -> None:
             while not stop.wait(0.05):
-                samples.append((time.monotonic(), rss_mib(pid)))
+                samples.append((time.monotonic(), sum(rss_mib(pid) for pid in pids)))
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -63,18 +71,19 @@ def test_a_long_prompt_joining_48_decodes_stays_within_the_step_budget(checkpoin
         async def load() -> tuple[list[int], int, float]:
             async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
                 started: list = []
-                decodes = [asyncio.create_task(stream(client, [5 + i, 17, 300 + i] * 10, 160, started)) for i in range(48)]
+                decodes = [asyncio.create_task(stream(client, [5 + i, 17, 300 + i] * 10, DECODE_TOKENS, started)) for i in range(48)]
                 while len(started) < 48:  # every sequence is decoding
                     await asyncio.sleep(0.05)
                 arrived = time.monotonic()
                 long = asyncio.create_task(stream(client, [(7 * i) % 1800 + 3 for i in range(1900)], 4, []))
                 return await asyncio.gather(*decodes), await long, arrived
 
-        counts, long_count, arrived = asyncio.run(load())
+        decoded, (long_count, long_first, _), arrived = asyncio.run(load())
         stop.set()
         sampler.join(5)
         assert server.proc.poll() is None, "the server died"
-        assert counts == [160] * 48 and long_count == 4  # every request completed with all its tokens
+        assert [n for n, _, _ in decoded] == [DECODE_TOKENS] * 48 and long_count == 4  # every request completed with all its tokens
+        assert long_first < min(last for _, _, last in decoded), "the decodes ended before the long prompt joined them"
         assert httpx.get(server.url + "/health").json()["status"] == "ok"
     before = max(r for t, r in samples if t < arrived)
     after = max(r for t, r in samples)
