@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Chaos trials against a real ``afd serve`` with redundant experts: every fault of the matrix, under load.
 
-Each trial starts a fresh server (1 attention rank + 2 FFN ranks on shm, every expert on both FFN ranks,
-``--hang-timeout`` T), streams S greedy requests at once, injects one fault, and checks what the
-fault-tolerance page promises: no failed request, every text identical to a fault-free run's, ``/health``
-200 afterwards, a replacement FFN rank serving (its counters move), no process left after shutdown.
+Each trial starts a fresh server (1 attention rank + 2 FFN ranks on shm or tcp (``--transport``), every
+expert on both FFN ranks, ``--hang-timeout`` T), streams S greedy requests at once, injects one fault, and
+checks what the fault-tolerance page promises: no failed request, every text identical to a fault-free
+run's, ``/health`` 200 afterwards, a replacement FFN rank (or a restarted attention rank) serving (the FFN
+counters move), no process left after shutdown.
 
 Faults (``--faults``, default all):
   kill                 SIGKILL of FFN rank 1 once every stream produced tokens
@@ -13,10 +14,12 @@ Faults (``--faults``, default all):
   hang@mid-combine     AFD_FAULT=ffn-hang@N: it stops there instead
   kill@rebalance       POST /rebalance, then SIGKILL of FFN rank 0 while both load their new copies
   kill@replacement     SIGKILL of FFN rank 1, then of its replacement while it starts
+  attention-kill       SIGKILL of the attention rank (restarted; its requests wait and resume)
+  attention-hang       SIGSTOP of the attention rank (found hung by the FFN ranks after T, killed, restarted)
 
 Reported per trial: failed requests, texts changed, the time from the fault to the next token of any
 stream, the longest stall of a stream, p99 inter-token latency (all tokens of the trial) against the
-fault-free run's, and the replacement's time to rejoin (from the launcher's log).
+fault-free run's, and the replacement's (or restart's) time to rejoin (from the launcher's log).
 
     python scripts/chaos.py --seeds 1 --out chaos.json
 """
@@ -44,20 +47,21 @@ sys.path.insert(0, str(ROOT))
 from afd.cli.common import BUILTIN_MODEL  # noqa: E402
 from afd.serving.spawn import ServerProcess  # noqa: E402
 
-FAULTS = ("kill", "hang", "kill@mid-combine", "hang@mid-combine", "kill@rebalance", "kill@replacement")
+FAULTS = ("kill", "hang", "kill@mid-combine", "hang@mid-combine", "kill@rebalance", "kill@replacement", "attention-kill",
+          "attention-hang")
 
 
-def flags(hang_timeout: float) -> list[str]:
+def flags(hang_timeout: float, transport: str) -> list[str]:
     return ["--dtype", "float32", "--attention-ranks", "1", "--ffn-ranks", "2", "--redundant-experts", "8",
-            "--hang-timeout", str(hang_timeout)]
+            "--hang-timeout", str(hang_timeout), "--transport", transport]
 
 
-def start(hang_timeout: float, fault_env: str | None = None) -> ServerProcess:
+def start(hang_timeout: float, transport: str, fault_env: str | None = None) -> ServerProcess:
     run_id = uuid.uuid4().hex[:12]
     env = {"AFD_NUM_THREADS": "1", "AFD_RUN_ID": run_id}
     if fault_env:
         env["AFD_FAULT"] = fault_env
-    server = ServerProcess(BUILTIN_MODEL, *flags(hang_timeout), env=env)
+    server = ServerProcess(BUILTIN_MODEL, *flags(hang_timeout, transport), env=env)
     server.run_id = run_id
     return server
 
@@ -139,7 +143,7 @@ def run_trial(fault: str, seed: int, args, reference: dict, baseline_p99: float)
     env = None
     if fault.endswith("@mid-combine"):
         env = f"ffn-{fault.split('@')[0]}@{rng.randint(30, 200)}"  # within the trial: ~6 parts per decode step
-    server = start(args.hang_timeout, env)
+    server = start(args.hang_timeout, args.transport, env)
     result: dict = {"fault": fault, "seed": seed, "fault_env": env}
     try:
         signals = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
@@ -148,6 +152,8 @@ def run_trial(fault: str, seed: int, args, reference: dict, baseline_p99: float)
             kind = fault.split("@")[0]
             if fault in ("kill", "hang"):
                 os.kill(pid_of(s, "ffn rank 1"), signals[kind])
+            elif fault.startswith("attention-"):
+                os.kill(pid_of(s, "attention rank 0"), signals[fault.split("-")[1]])
             elif fault == "kill@rebalance":
                 httpx.post(s.url + "/rebalance", timeout=30)
                 os.kill(pid_of(s, "ffn rank 0"), signal.SIGKILL)
@@ -173,11 +179,13 @@ def run_trial(fault: str, seed: int, args, reference: dict, baseline_p99: float)
         result["health"] = httpx.get(server.url + "/health", timeout=30).status_code
         result["ranks_lost"] = metric(server.url, "afd_ffn_ranks_lost_total")
         result["redispatched"] = metric(server.url, "afd_connector_redispatched_total")
-        result["replaced"] = wait_for(lambda: metric(server.url, "afd_ffn_replacements_total") >= 1, 120)
+        back = "afd_replicas_restarted_total" if fault.startswith("attention-") else "afd_ffn_replacements_total"
+        result["replaced"] = wait_for(lambda: metric(server.url, back) >= 1, 120)
         rows_before = metric(server.url, "afd_ffn_rows_total")
         again, _ = load(server, args.streams, 8)
         result["after_ok"] = all(r["outcome"] == "done" for r in again.values()) and metric(server.url, "afd_ffn_rows_total") > rows_before
-        joined = [float(m.group(1)) for line in server.stderr if (m := re.search(r"replaced \(pid \d+, generation \d+\) in ([\d.]+) s", line))]
+        joined = [float(m.group(1)) for line in server.stderr
+                  if (m := re.search(r"(?:replaced \(pid \d+, generation|restarted \(pid \d+, incarnation) \d+\) in ([\d.]+) s", line))]
         result["replacement_join_s"] = joined[0] if joined else None
     finally:
         code = server.stop()
@@ -198,6 +206,7 @@ def main() -> int:
     p.add_argument("--streams", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--hang-timeout", type=float, default=2.0)
+    p.add_argument("--transport", choices=["shm", "tcp"], default="shm")
     p.add_argument("--out", help="write every trial's result here (JSON)")
     args = p.parse_args()
     faults = [f for f in args.faults.split(",") if f]
@@ -205,7 +214,7 @@ def main() -> int:
     if unknown:
         p.error(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
     print(f"chaos: reference run (no fault), {args.streams} streams x {args.max_tokens} tokens", file=sys.stderr)
-    with start(args.hang_timeout) as ref_server:
+    with start(args.hang_timeout, args.transport) as ref_server:
         reference, _ = load(ref_server, args.streams, args.max_tokens)
     gaps = [b - a for r in reference.values() for a, b in zip(r["times"], r["times"][1:])]
     baseline_p99 = 1000 * statistics.quantiles(gaps, n=100)[98]
