@@ -18,6 +18,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (the bound address is printed)")
     p.add_argument("--served-model-name", help="the model name clients send (default: the model directory's name)")
+    p.add_argument("--rebalance-every", type=float, default=0.0, metavar="S",
+                   help="check the measured FFN load every S seconds and rebalance the expert placement when its max/mean "
+                        "is above --rebalance-threshold (default 0: only on POST /rebalance)")
+    p.add_argument("--rebalance-threshold", type=float, default=1.25, metavar="X",
+                   help="the FFN load max/mean above which --rebalance-every moves the placement (default 1.25)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests may still finish before they are aborted (default 30)")
     add_engine_args(p)
@@ -45,7 +50,13 @@ def run(args: argparse.Namespace) -> int:
             metrics = Metrics()
             frontend = Frontend(replicas, metrics, tokenizer=tokenizer)
             metrics.bind(frontend)
-            state = ServerState(frontend, metrics, tokenizer, args.served_model_name or model_dir.name, replicas.max_model_len)
+            state = ServerState(frontend, metrics, tokenizer, args.served_model_name or model_dir.name, replicas.max_model_len,
+                                rebalance_every=args.rebalance_every, rebalance_threshold=args.rebalance_threshold)
+            if args.rebalance_every < 0 or args.rebalance_threshold < 1.0:
+                raise ValueError(f"--rebalance-every {args.rebalance_every} / --rebalance-threshold {args.rebalance_threshold}: give "
+                                 "seconds >= 0 and a max/mean >= 1")
+            if args.rebalance_every and not hasattr(replicas, "rebalance"):
+                raise ValueError("--rebalance-every moves expert copies between FFN ranks: a monolithic server has none")
         except BaseException:
             replicas.close(timeout=10)
             raise

@@ -491,12 +491,19 @@ class Cluster:
                     load[e] += n
         return load
 
-    def rebalance(self, load: Sequence[float] | None = None) -> dict:
+    def load_imbalance(self) -> float:
+        """Max over mean of the FFN ranks' load under the placement in use, from the measured per-expert load
+        (1.0: balanced, or nothing measured yet)."""
+        load = self.expert_load()
+        return _imbalance(self.placement, load) if sum(load) else 1.0
+
+    def rebalance(self, load: Sequence[float] | None = None, min_gain: float = 0.0) -> dict:
         """Recompute the expert placement from measured per-expert load (default: :meth:`expert_load`) and
         move to it while serving: every FFN rank loads its new copies from the checkpoint beside the old ones,
         then every attention rank installs the placement and the step agreement switches at the first step
         every vote has it (the work header's placement version says which copies a part was cut for).
-        Returns what was decided; the move completes in the background (:attr:`rebalances`)."""
+        Returns what was decided; the move completes in the background (:attr:`rebalances`). ``min_gain``:
+        move only if the predicted max/mean falls by more than this."""
         from afd.distributed.placement import ExpertPlacement
 
         if self._rebalance is not None:
@@ -515,6 +522,8 @@ class Cluster:
             raise RuntimeError(f"a rebalance needs every expert on a live FFN rank (live: {live})")
         decision = {"version": self.placement_version + 1, "before": _imbalance(self.placement, load), "after": _imbalance(new, load),
                     "placement": new.describe(), "changed": new != self.placement}
+        if decision["before"] - decision["after"] <= min_gain:
+            decision["changed"] = False  # not worth a move
         if not decision["changed"]:
             return decision
         self._rebalance = {**decision, "new": new, "ready": set(), "in_use": set(), "started": time.monotonic()}

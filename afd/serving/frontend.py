@@ -227,9 +227,12 @@ class ClusterReplicas:
     def ffn_replacements(self) -> list[dict]:
         return list(self.cluster.ffn_replacements)
 
-    def rebalance(self) -> dict:
+    def rebalance(self, min_gain: float = 0.0) -> dict:
         """Recompute the expert placement from the measured load and move to it (afd/engine/launcher.py)."""
-        return self.cluster.rebalance()
+        return self.cluster.rebalance(min_gain=min_gain)
+
+    def load_imbalance(self) -> float:
+        return self.cluster.load_imbalance()
 
     def rebalances(self) -> list[dict]:
         return list(self.cluster.rebalances)

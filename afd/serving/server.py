@@ -64,6 +64,8 @@ class ServerState:
     model_name: str
     max_model_len: int
     started: float = 0.0
+    rebalance_every: float = 0.0  # seconds between load checks (0: rebalance only on POST /rebalance)
+    rebalance_threshold: float = 1.25  # a check moves the placement when the FFN load max/mean is above this
 
 
 # ----------------------------------------------------------------------------- app
@@ -336,6 +338,29 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+async def auto_rebalance(state: ServerState) -> None:
+    """Every ``rebalance_every`` s: when the measured FFN load's max/mean under the placement in use is above
+    ``rebalance_threshold``, move to a placement packed by that load (as ``POST /rebalance`` does), if that
+    is predicted to lower it by more than 0.05. A move in progress, or a replacement starting, waits for
+    the next check."""
+    replicas = state.frontend.replicas
+    while True:
+        await asyncio.sleep(state.rebalance_every)
+        if state.frontend.draining or state.frontend.failure is not None:
+            return
+        imbalance = replicas.load_imbalance()
+        if imbalance <= state.rebalance_threshold:
+            continue
+        try:
+            decision = replicas.rebalance(min_gain=0.05)
+        except RuntimeError as e:  # one move at a time
+            log.info("automatic rebalance deferred: %s", e)
+            continue
+        if decision["changed"]:
+            log.warning("automatic rebalance: FFN load max/mean %.2f is above %.2f; moving to placement version %d (predicted "
+                        "%.2f)", imbalance, state.rebalance_threshold, decision["version"], decision["after"])
+
+
 def run_server(state: ServerState, sock: socket.socket, shutdown_timeout: float) -> int:
     """Serve on the bound ``sock`` until SIGTERM/SIGINT (exit 0) or a replica failure (exit 1). Prints
     the address once it listens; stops the front end (and every replica and rank) before returning."""
@@ -374,7 +399,12 @@ def run_server(state: ServerState, sock: socket.socket, shutdown_timeout: float)
     async def main() -> None:
         state.frontend.start(asyncio.get_running_loop())
         print(listening_line(state.model_name, f"http://{host}:{bound}"), flush=True)
-        await server.serve(sockets=[sock])
+        checks = asyncio.create_task(auto_rebalance(state)) if state.rebalance_every > 0 else None
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            if checks is not None:
+                checks.cancel()
 
     try:
         asyncio.run(main())

@@ -113,3 +113,19 @@ def test_a_rebalance_while_serving_lowers_the_max_over_mean_ffn_load_and_changes
         for run in (second, pending, after_run):
             assert all(run[i] == reference[i] for i in range(STREAMS))
         assert s.post("/rebalance").status_code == 200  # again, on the new load: allowed, nothing in progress
+
+
+def test_the_rebalance_timer_moves_a_skewed_placement_by_itself():
+    """--rebalance-every: the server checks the measured load and moves the placement when its max/mean is
+    above the threshold, with no request to /rebalance; texts unchanged; once balanced it stays put."""
+    with Server("--attention-ranks", "1", "--ffn-ranks", "2", "--placement", "0-7:0,0:1", "--rebalance-every", "0.5") as s:
+        reference = _run(s)
+        deadline = time.monotonic() + 60
+        while s.metric("afd_placement_version", wait=0) < 1 and time.monotonic() < deadline:
+            _run(s)  # the switch happens at a step: keep steps coming
+        assert s.metric("afd_placement_version") == 1 and s.metric("afd_rebalances_total") == 1
+        assert any("automatic rebalance: FFN load max/mean" in line for line in s.stderr)
+        again = _run(s)
+        time.sleep(1.5)  # three more checks on the balanced load
+        assert all(again[i] == reference[i] for i in range(STREAMS))
+        assert s.metric("afd_rebalances_total") == 1
