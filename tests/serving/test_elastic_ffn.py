@@ -117,15 +117,18 @@ def test_a_rebalance_while_serving_lowers_the_max_over_mean_ffn_load_and_changes
 
 def test_the_rebalance_timer_moves_a_skewed_placement_by_itself():
     """--rebalance-every: the server checks the measured load and moves the placement when its max/mean is
-    above the threshold, with no request to /rebalance; texts unchanged; once balanced it stays put."""
+    above the threshold, with no request to /rebalance; texts unchanged; the moves settle (the load is
+    counted since the start: early, partial counts may take a second move)."""
     with Server("--attention-ranks", "1", "--ffn-ranks", "2", "--placement", "0-7:0,0:1", "--rebalance-every", "0.5") as s:
         reference = _run(s)
         deadline = time.monotonic() + 60
         while s.metric("afd_placement_version", wait=0) < 1 and time.monotonic() < deadline:
             _run(s)  # the switch happens at a step: keep steps coming
-        assert s.metric("afd_placement_version") == 1 and s.metric("afd_rebalances_total") == 1
+        assert s.metric("afd_rebalances_total") >= 1
         assert any("automatic rebalance: FFN load max/mean" in line for line in s.stderr)
-        again = _run(s)
-        time.sleep(1.5)  # three more checks on the balanced load
-        assert all(again[i] == reference[i] for i in range(STREAMS))
-        assert s.metric("afd_rebalances_total") == 1
+        for _ in range(3):
+            assert _run(s) == reference
+        moves = s.metric("afd_rebalances_total")
+        time.sleep(1.5)  # three more checks
+        assert _run(s) == reference
+        assert s.metric("afd_rebalances_total") == moves <= 3, "the timer keeps moving a placement the load has settled"
