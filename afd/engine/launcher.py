@@ -46,7 +46,9 @@ from afd.models.hf_config import load_model_config
 
 log = logging.getLogger(__name__)
 
-KILL_KEY = "afd/kill"  # multi-node: node 0 asks a node's launcher to kill its hung FFN rank f under <KILL_KEY>/f<f>
+KILL_KEY = "afd/kill"  # multi-node: node 0 asks a node's launcher to kill its hung FFN rank f under <KILL_KEY>/f<f>.g<generation>
+JOIN_KEY = "afd/join"  # multi-node: a node's launcher says its replacement of FFN rank f loaded, under <JOIN_KEY>/f<f> (its generation)
+JOIN_POLL_S = 0.5  # how often node 0 looks for them
 
 
 def _limits(model_dir: Path, config, engine: EngineArgs):
@@ -193,6 +195,10 @@ class Cluster:
         self._rebalance: dict | None = None  # the one in progress
         self._deferred: list[_Rank] = []  # lost FFN ranks to replace once the rebalance in progress is done
         self._remote_lost: set[int] = set()  # FFN ranks of other nodes that node 0's attention ranks lost
+        self._remote_gen: dict[int, int] = {}  # FFN rank of another node -> the generation node 0 uses (or waits for)
+        self._remote_joining: dict[int, dict] = {}  # FFN rank of another node -> its replacement being linked
+        self._joins_checked = 0.0
+        self._node_store = None  # a node other than 0: its client of node 0's rendezvous store
         self._forks: RunForkServer | None = None
         self._started = False
 
@@ -310,8 +316,9 @@ class Cluster:
         self.ffn_losses.append({"rank": rank.spec.index, "pid": rank.proc.pid, "cause": cause, "at": time.time(),
                                 "replacement": rank.spec.generation > 0 and not rank.joined})
         if self.node_rank > 0:
-            log.warning("run %s: %s: node 0's attention ranks go on without it (on its experts' copies); no replacement is "
-                        "started on a node other than node 0", self.run_id, cause)
+            log.warning("run %s: %s: node 0's attention ranks go on without it (on its experts' copies)", self.run_id, cause)
+            if self.replace_ffn:
+                self._replace(rank)
             return
         log.warning("run %s: %s: going on without it; its experts %s are served by their copies on FFN ranks %s", self.run_id, cause,
                     list(self.placement.experts_of(rank.spec.index)), self._live_ffn())
@@ -323,7 +330,7 @@ class Cluster:
         """An attention rank stopped using an FFN rank (dead, or silent past the link timeout): a hung one
         is killed, so that every attention rank sees the same loss (its links close)."""
         if index in self.remote_ffn():
-            self._lose_remote_ffn(index, reason, by)
+            self._lose_remote_ffn(index, generation, reason, by)
             return
         rank = next((r for r in self.ranks if r.spec.role == Role.FFN and (r.spec.index, r.spec.generation) == (index, generation)), None)
         if rank is None or rank.lost:
@@ -340,14 +347,16 @@ class Cluster:
         else:
             self._lose_ffn(rank, f"{rank.spec.name} (pid {rank.proc.pid}) died: {exit_reason(rank.proc.exitcode)}")
 
-    def _lose_remote_ffn(self, index: int, reason: str, by: _Rank) -> None:
+    def _lose_remote_ffn(self, index: int, generation: int, reason: str, by: _Rank) -> None:
         """An FFN rank of another node is gone (dead, or hung: its node's launcher is asked to kill it, so
-        that every attention rank sees the same loss). It is not replaced: only its node could start one."""
-        if index in self._remote_lost:
+        that every attention rank sees the same loss). Its node's launcher starts the replacement and says
+        so in the store (:meth:`_check_remote_joins`)."""
+        if index in self._remote_lost or generation < self._remote_gen.get(index, 0):
             return
         self._remote_lost.add(index)
+        self._remote_joining.pop(index, None)
         node = self.topology.node_of("ffn", index)
-        self._store.set(f"{KILL_KEY}/f{index}", reason)
+        self._store.set(f"{KILL_KEY}/f{index}.g{generation}", reason)
         self.ffn_losses.append({"rank": index, "pid": None, "node": node, "cause": reason, "at": time.time(), "replacement": False})
         log.warning("run %s: ffn rank %d on node %d lost (%s, found by %s): going on without it; its experts %s are served by their "
                     "copies on FFN ranks %s", self.run_id, index, node, reason, by.spec.name, list(self.placement.experts_of(index)),
@@ -462,9 +471,18 @@ class Cluster:
                 if f.spec.role == Role.FFN and not f.lost and not f.done:
                     f.send(("attention_join", r.spec.index, r.spec.incarnation))
             return
+        if msg[0] == "loaded" and self.node_rank > 0:  # node 0's attention ranks link to it once they hear (the store)
+            self._node_store.set(f"{JOIN_KEY}/f{r.spec.index}", str(r.spec.generation))
+            r.joined = True
+            log.warning("run %s: the replacement of ffn rank %d (pid %d, generation %d) is loaded; node 0 links to it", self.run_id,
+                        r.spec.index, r.proc.pid, r.spec.generation)
+            return
         if msg[0] == "loaded":
             for a in self._live_attention():
                 a.send(("ffn_join", r.spec.index, r.spec.generation))
+            return
+        if msg[1] in self._remote_joining:
+            self._remote_linked(r, msg)
             return
         target = next((f for f in self.ranks if f.spec.role == Role.FFN and f.spec.index == msg[1] and f.spec.generation == msg[2]), None)
         if target is None or target.lost:
@@ -480,6 +498,41 @@ class Cluster:
                                           "seconds": took, "at": time.time()})
             log.warning("run %s: ffn rank %d replaced (pid %d, generation %d) in %.1f s: back in use from the next step",
                         self.run_id, target.spec.index, target.proc.pid, target.spec.generation, took)
+
+    def _check_remote_joins(self) -> None:
+        """Node 0: replacements another node's launcher started (and loaded) for FFN ranks node 0 lost."""
+        now = time.monotonic()
+        if not self._remote_lost or now - self._joins_checked < JOIN_POLL_S or self._store is None:
+            return
+        self._joins_checked = now
+        for f in sorted(self._remote_lost):
+            key = f"{JOIN_KEY}/f{f}"
+            if not self._store.check([key]):
+                continue
+            generation = int(self._store.get(key).decode())
+            if generation <= self._remote_gen.get(f, 0) or f in self._remote_joining:
+                continue
+            self._remote_gen[f] = generation
+            self._remote_joining[f] = {"generation": generation, "linked": set(), "started": now}
+            for a in self._live_attention():
+                a.send(("ffn_join", f, generation))
+
+    def _remote_linked(self, r: _Rank, msg: tuple) -> None:
+        joining = self._remote_joining[msg[1]]
+        if msg[2] != joining["generation"]:
+            return
+        if msg[0] == "ffn_join_failed":
+            log.warning("run %s: %s could not link to ffn rank %d generation %d: %s", self.run_id, r.spec.name, msg[1], msg[2], msg[3])
+            return
+        joining["linked"].add(r.spec.index)
+        if {a.spec.index for a in self._live_attention()} <= joining["linked"]:
+            del self._remote_joining[msg[1]]
+            self._remote_lost.discard(msg[1])
+            took = time.monotonic() - joining["started"]
+            self.ffn_replacements.append({"rank": msg[1], "pid": None, "node": self.topology.node_of("ffn", msg[1]),
+                                          "generation": msg[2], "seconds": took, "at": time.time()})
+            log.warning("run %s: ffn rank %d on node %d replaced (generation %d), linked in %.1f s: back in use from the next step",
+                        self.run_id, msg[1], self.topology.node_of("ffn", msg[1]), msg[2], took)
 
     # ------------------------------------------------------------------ rebalancing
     def expert_load(self) -> list[float]:
@@ -586,6 +639,7 @@ class Cluster:
         return got
 
     def _sweep(self, timeout: float) -> tuple[list[tuple[_Rank, tuple]], list[tuple[int, str, str]]]:
+        self._check_remote_joins()
         handles = [r.conn for r in self.ranks if not r.conn.closed] + [r.sentinel for r in self.ranks if r.sentinel is not None]
         ready = wait(handles, timeout=timeout)
         got, failures = [], []
@@ -672,12 +726,13 @@ class Cluster:
 
         import torch.distributed as dist
 
-        store = dist.TCPStore(self.master_addr, self.master_port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=self.ready_timeout))
+        store = self._node_store = dist.TCPStore(self.master_addr, self.master_port, is_master=False, wait_for_workers=False,
+                                                 timeout=datetime.timedelta(seconds=self.ready_timeout))
         while not all(r.done for r in self.ranks):
             self._poll(time.monotonic() + 24 * 3600, "the run to end")
             try:
-                asked = {r.spec.index for r in self.ranks if store.check([f"{KILL_KEY}/f{r.spec.index}"])}
+                asked = {(r.spec.index, r.spec.generation) for r in self.ranks
+                         if r.spec.role == Role.FFN and store.check([f"{KILL_KEY}/f{r.spec.index}.g{r.spec.generation}"])}
             except Exception as e:  # noqa: BLE001 - node 0's launcher hosts the store: it is gone
                 grace = time.monotonic() + 2.0  # at the end of a run it goes first: the SHUTDOWNs are on their way
                 while not all(r.done for r in self.ranks) and time.monotonic() < grace:
@@ -687,8 +742,8 @@ class Cluster:
                 self._fail(f"node 0's rendezvous ({self.master_addr}:{self.master_port}) is gone: node 0 was lost "
                            f"({str(e).splitlines()[0] if str(e) else type(e).__name__})")
             for r in self.ranks:
-                key = f"{KILL_KEY}/f{r.spec.index}"
-                if r.spec.role == Role.FFN and not r.done and r.proc.is_alive() and r.spec.index in asked:
+                key = f"{KILL_KEY}/f{r.spec.index}.g{r.spec.generation}"
+                if r.spec.role == Role.FFN and not r.done and r.proc.is_alive() and (r.spec.index, r.spec.generation) in asked:
                     log.warning("run %s: killing %s (pid %d): node 0 %s", self.run_id, r.spec.name, r.proc.pid, store.get(key).decode())
                     os.kill(r.proc.pid, signal.SIGKILL)  # our own child, by PID; its sentinel does the rest
 

@@ -19,11 +19,13 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 import warnings
 
 from afd.cli.common import BUILTIN_MODEL
 from tests.serving.server_proc import MODEL_NAME, Server
+from tests.support import run_processes
 
 ARGS = ["--prompt", "ROMEO:", "--prompt", "KING.\nWhat say you", "--prompt", "To be", "--max-tokens", "16",
         "--dtype", "float32", "--json", "--attention-ranks", "2", "--ffn-ranks", "2", "--transport", "torch",
@@ -194,6 +196,16 @@ def test_three_nodes_serve_the_monolithic_text_and_survive_an_ffn_nodes_loss():
             assert any("every expert is on at least two FFN ranks" in line for line in s.stderr)
             assert len(s.rank_pids("attention")) == 1 and not s.rank_pids("ffn")  # node 0 runs no FFN rank
             assert s.streams([_payload(i) for i in range(6)]) == want, "three nodes differ from the monolithic server"
+            # FFN rank 1 alone is killed: node 2's launcher starts its replacement, node 0 links to it
+            rank = next(pid for pid, title in run_processes(run_id).items() if title == "afd ffn 1")
+            assert s.streams([_payload(i) for i in range(6)], fault=lambda: os.kill(rank, signal.SIGKILL)) == want
+            deadline = time.monotonic() + 60
+            while s.metric("afd_ffn_replacements_total", wait=0) < 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert s.metric("afd_ffn_replacements_total") == 1 and s.metric("afd_ffn_ranks_lost_total") == 1
+            assert any(title == "afd ffn 1 g1" for title in run_processes(run_id).values())
+            assert s.streams([_payload(i) for i in range(6)]) == want  # with the replacement in use
+            # then the whole of node 2
             node2 = hosts.pids(2) if isinstance(hosts, Star) else [nodes[2].pid, *_children(nodes[2].pid)]
             assert nodes[2].pid in node2 and len(node2) >= 2  # its launcher and its FFN rank
 
@@ -204,7 +216,7 @@ def test_three_nodes_serve_the_monolithic_text_and_survive_an_ffn_nodes_loss():
             got = s.streams([_payload(i) for i in range(6)], fault=lose_node_2)
             assert got == want, "a stream failed or changed when node 2 was lost"
             assert s.get("/health").status_code == 200
-            assert s.metric("afd_ffn_ranks_lost_total") == 1
+            assert s.metric("afd_ffn_ranks_lost_total") == 2
             assert s.streams([_payload(i) for i in range(6)]) == want  # and it goes on serving on node 1 alone
             assert nodes[1].poll() is None
         out, err = nodes[1].communicate(timeout=60)  # SIGTERM on node 0 ends the run on node 1
