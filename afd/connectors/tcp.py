@@ -24,6 +24,7 @@ library's groups cannot lose or gain a member).
 from __future__ import annotations
 
 import datetime
+import logging
 import select
 import socket
 import struct
@@ -37,6 +38,8 @@ from afd.connectors.transport import ConnectorTimeout, Mailbox, PeerDiedError, P
 FRAME = struct.Struct("<IQ")  # header length, payload length
 HELLO = struct.Struct("<II")  # the connecting attention rank's index, the FFN generation it expects
 STALL_S = 60.0  # a frame whose rest does not arrive within this long, once begun, is a stalled link
+
+log = logging.getLogger(__name__)
 
 
 def local_address(master_addr: str) -> str:
@@ -153,13 +156,20 @@ class TcpMailbox(Mailbox):
 
     # ------------------------------------------------------------------ links
     def _accept(self) -> None:
-        conn, _ = self._server.accept()
+        conn, addr = self._server.accept()
         conn.settimeout(self._timeout)
-        peer, generation = HELLO.unpack(read_exact(conn, HELLO.size, self.name, "a connecting rank"))
-        if generation != self.generation or not 0 <= peer < self.num_peers:
+        try:
+            peer, generation = HELLO.unpack(read_exact(conn, HELLO.size, self.name, "a connecting rank", stall=5.0))
+        except (PeerDiedError, ConnectorTimeout) as e:  # a port scan, or a rank that died connecting: not a peer's loss
+            log.warning("%s: a connection from %s closed before saying who it is (%s)", self.name, addr, e)
             conn.close()
-            raise ProtocolError(f"{self.name} (generation {self.generation}): a rank connected as attention rank {peer} expecting "
-                                f"generation {generation}")
+            return
+        if generation != self.generation or not 0 <= peer < self.num_peers:
+            # a stray connection (another run's rank, an old incarnation) must not take down a serving rank
+            log.warning("%s (generation %d): refused a connection from %s as attention rank %d expecting generation %d",
+                        self.name, self.generation, addr, peer, generation)
+            conn.close()
+            return
         self._add(peer, conn)
 
     def _connect(self, peer: int, generation: int) -> None:

@@ -191,9 +191,9 @@ def test_a_zero_timeout_receive_returns_what_is_already_waiting(transport, tmp_p
 
 
 def test_tcp_is_byte_exact_reports_a_death_and_reconnects_to_a_replacement():
-    """Frames of every size (beyond a socket buffer too) arrive as sent; a peer closing without SHUTDOWN is a
-    death naming it; a replacement under a new generation is reached by reconnect, and the old one's key
-    is never reused."""
+    """Frames of every size (beyond a socket buffer too) arrive as sent; a stray connection is refused without
+    harm; a peer closing without SHUTDOWN is a death naming it; a replacement under a new generation is
+    reached by reconnect."""
     import threading
 
     import torch.distributed as dist
@@ -211,6 +211,14 @@ def test_tcp_is_byte_exact_reports_a_death_and_reconnects_to_a_replacement():
     attn = TcpMailbox(Role.ATTENTION, 0, 1, 1, "127.0.0.1", store.port, timeout=30)
     th.join()
     ffn = boxes[0]
+    import socket
+
+    from afd.connectors.tcp import HELLO, address_key
+
+    host, port = store.get(address_key(0, 0)).decode().rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as stray:  # another run's rank, or an old incarnation
+        stray.sendall(HELLO.pack(0, 7))
+        assert ffn.recv(0.3) is None  # refused and logged; the rank serves on, its real link untouched
     for i, rows in enumerate([0, 1, 7, 300, 40000]):  # 40000 x 64 bf16: 5 MB, past any socket buffer
         sent = _msg(i, rows)
         th = threading.Thread(target=attn.send, args=(0, sent))
