@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -731,6 +732,8 @@ class Cluster:
         while not all(r.done for r in self.ranks):
             self._poll(time.monotonic() + 24 * 3600, "the run to end")
             try:
+                socket.create_connection((self.master_addr, self.master_port), timeout=2.0).close()  # is node 0 there? (a
+                # store call on a dead store would also say so, after torch's C++ logger printed a stack trace)
                 asked = {(r.spec.index, r.spec.generation) for r in self.ranks
                          if r.spec.role == Role.FFN and store.check([f"{KILL_KEY}/f{r.spec.index}.g{r.spec.generation}"])}
             except Exception as e:  # noqa: BLE001 - node 0's launcher hosts the store: it is gone
