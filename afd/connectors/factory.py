@@ -17,7 +17,7 @@ class LinkSpec:
     """How the ranks of one run reach each other (picklable; the loopback hub is passed separately)."""
 
     transport: str
-    run_dir: Path
+    run_dir: Path | None  # shm: where the link files are (None for the other transports)
     num_slots: int = 4
     slot_bytes: int = 1 << 20
     connect_timeout: float = 30.0

@@ -374,7 +374,8 @@ class Cluster:
         self._set_run_id = env.run_id() is None
         os.environ["AFD_RUN_ID"] = self.run_id  # inherited by every rank process
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.run_dir = Path(tempfile.mkdtemp(prefix=f"afd-{self.run_id}-", dir=base))
+        if t.transport == "shm":  # the links' files (the other transports keep nothing on disk)
+            self.run_dir = Path(tempfile.mkdtemp(prefix=f"afd-{self.run_id}-", dir=base))
         # 9 slots per direction: up to 8 micro-batches in flight plus a control message, so a
         # full ring can never block both sides at once
         link = LinkSpec(t.transport, self.run_dir, num_slots=9, slot_bytes=self._slot_bytes(), connect_timeout=self.ready_timeout,
