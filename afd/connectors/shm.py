@@ -47,6 +47,14 @@ def _prefix(run_dir: Path, src: tuple, dst: tuple, generation: int = 0) -> Path:
     return Path(run_dir) / (f"{_tag(*src)}-{_tag(*dst)}" + (f".g{generation}" if generation else ""))
 
 
+def _make_link(p: Path, num_slots: int, slot_bytes: int) -> None:
+    """One direction of a link: its ring file and its two FIFOs."""
+    with open(f"{p}.ring", "wb") as fh:
+        fh.truncate(_CTRL + num_slots * slot_bytes)
+    os.mkfifo(f"{p}.data")
+    os.mkfifo(f"{p}.space")
+
+
 def create_links(run_dir: Path, num_attention: int, num_ffn: int, num_slots: int, slot_bytes: int,
                  ffn_ranks: Sequence[int] | None = None, generation: int = 0) -> None:
     """Create the ring files and FIFOs of a run (before any rank starts), or of the links of ``ffn_ranks``'
@@ -56,11 +64,7 @@ def create_links(run_dir: Path, num_attention: int, num_ffn: int, num_slots: int
     for a in range(num_attention):
         for f in range(num_ffn) if ffn_ranks is None else ffn_ranks:
             for src, dst in (((Role.ATTENTION, a), (Role.FFN, f)), ((Role.FFN, f), (Role.ATTENTION, a))):
-                p = _prefix(run_dir, src, dst, generation)
-                with open(f"{p}.ring", "wb") as fh:
-                    fh.truncate(_CTRL + num_slots * slot_bytes)
-                os.mkfifo(f"{p}.data")
-                os.mkfifo(f"{p}.space")
+                _make_link(_prefix(run_dir, src, dst, generation), num_slots, slot_bytes)
 
 
 def create_attention_links(run_dir: Path, index: int, incarnation: int, ffn_generations: Sequence[int], num_slots: int,
@@ -69,11 +73,7 @@ def create_attention_links(run_dir: Path, index: int, incarnation: int, ffn_gene
     current generation), before the restarted rank starts."""
     for f, generation in enumerate(ffn_generations):
         for src, dst in (((Role.ATTENTION, index, incarnation), (Role.FFN, f)), ((Role.FFN, f), (Role.ATTENTION, index, incarnation))):
-            p = _prefix(Path(run_dir), src, dst, generation)
-            with open(f"{p}.ring", "wb") as fh:
-                fh.truncate(_CTRL + num_slots * slot_bytes)
-            os.mkfifo(f"{p}.data")
-            os.mkfifo(f"{p}.space")
+            _make_link(_prefix(Path(run_dir), src, dst, generation), num_slots, slot_bytes)
 
 
 class _Ring:
