@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Chaos trials against a real ``afd serve`` with redundant experts: every fault of the matrix, under load.
 
-Each trial starts a fresh server (1 attention rank + 2 FFN ranks on shm or tcp (``--transport``), every
-expert on both FFN ranks, ``--hang-timeout`` T), streams S greedy requests at once, injects one fault, and
+Each trial starts a fresh server (A attention ranks (``--attention-ranks``, default 1) + 2 FFN ranks on
+shm or tcp (``--transport``), every expert on both FFN ranks, ``--hang-timeout`` T), streams S greedy requests at once, injects one fault, and
 checks what the fault-tolerance page promises: no failed request, every text identical to a fault-free
 run's, ``/health`` 200 afterwards, a replacement FFN rank (or a restarted attention rank) serving (the FFN
 counters move), no process left after shutdown.
@@ -14,8 +14,9 @@ Faults (``--faults``, default all):
   hang@mid-combine     AFD_FAULT=ffn-hang@N: it stops there instead
   kill@rebalance       POST /rebalance, then SIGKILL of FFN rank 0 while both load their new copies
   kill@replacement     SIGKILL of FFN rank 1, then of its replacement while it starts
-  attention-kill       SIGKILL of the attention rank (restarted; its requests wait and resume)
-  attention-hang       SIGSTOP of the attention rank (found hung by the FFN ranks after T, killed, restarted)
+  attention-kill       SIGKILL of attention rank A-1, restarted (A = 1: its requests wait and resume; A > 1: they
+                       move to the others, and the restart rejoins their agreed steps)
+  attention-hang       SIGSTOP of attention rank A-1 (found hung by the FFN ranks after T, killed, restarted)
 
 Reported per trial: failed requests, texts changed, the time from the fault to the next token of any
 stream, the longest stall of a stream, p99 inter-token latency (all tokens of the trial) against the
@@ -51,17 +52,17 @@ FAULTS = ("kill", "hang", "kill@mid-combine", "hang@mid-combine", "kill@rebalanc
           "attention-hang")
 
 
-def flags(hang_timeout: float, transport: str) -> list[str]:
-    return ["--dtype", "float32", "--attention-ranks", "1", "--ffn-ranks", "2", "--redundant-experts", "8",
+def flags(hang_timeout: float, transport: str, attention_ranks: int) -> list[str]:
+    return ["--dtype", "float32", "--attention-ranks", str(attention_ranks), "--ffn-ranks", "2", "--redundant-experts", "8",
             "--hang-timeout", str(hang_timeout), "--transport", transport]
 
 
-def start(hang_timeout: float, transport: str, fault_env: str | None = None) -> ServerProcess:
+def start(hang_timeout: float, transport: str, attention_ranks: int, fault_env: str | None = None) -> ServerProcess:
     run_id = uuid.uuid4().hex[:12]
     env = {"AFD_NUM_THREADS": "1", "AFD_RUN_ID": run_id}
     if fault_env:
         env["AFD_FAULT"] = fault_env
-    server = ServerProcess(BUILTIN_MODEL, *flags(hang_timeout, transport), env=env)
+    server = ServerProcess(BUILTIN_MODEL, *flags(hang_timeout, transport, attention_ranks), env=env)
     server.run_id = run_id
     return server
 
@@ -143,7 +144,7 @@ def run_trial(fault: str, seed: int, args, reference: dict, baseline_p99: float)
     env = None
     if fault.endswith("@mid-combine"):
         env = f"ffn-{fault.split('@')[0]}@{rng.randint(30, 200)}"  # within the trial: ~6 parts per decode step
-    server = start(args.hang_timeout, args.transport, env)
+    server = start(args.hang_timeout, args.transport, args.attention_ranks, env)
     result: dict = {"fault": fault, "seed": seed, "fault_env": env}
     try:
         signals = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
@@ -153,7 +154,7 @@ def run_trial(fault: str, seed: int, args, reference: dict, baseline_p99: float)
             if fault in ("kill", "hang"):
                 os.kill(pid_of(s, "ffn rank 1"), signals[kind])
             elif fault.startswith("attention-"):
-                os.kill(pid_of(s, "attention rank 0"), signals[fault.split("-")[1]])
+                os.kill(pid_of(s, f"attention rank {args.attention_ranks - 1}"), signals[fault.split("-")[1]])
             elif fault == "kill@rebalance":
                 httpx.post(s.url + "/rebalance", timeout=30)
                 os.kill(pid_of(s, "ffn rank 0"), signal.SIGKILL)
@@ -207,6 +208,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--hang-timeout", type=float, default=2.0)
     p.add_argument("--transport", choices=["shm", "tcp"], default="shm")
+    p.add_argument("--attention-ranks", type=int, default=1)
     p.add_argument("--out", help="write every trial's result here (JSON)")
     args = p.parse_args()
     faults = [f for f in args.faults.split(",") if f]
@@ -214,7 +216,7 @@ def main() -> int:
     if unknown:
         p.error(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
     print(f"chaos: reference run (no fault), {args.streams} streams x {args.max_tokens} tokens", file=sys.stderr)
-    with start(args.hang_timeout, args.transport) as ref_server:
+    with start(args.hang_timeout, args.transport, args.attention_ranks) as ref_server:
         reference, _ = load(ref_server, args.streams, args.max_tokens)
     gaps = [b - a for r in reference.values() for a, b in zip(r["times"], r["times"][1:])]
     baseline_p99 = 1000 * statistics.quantiles(gaps, n=100)[98]

@@ -31,11 +31,24 @@ way: from the first step whose every vote has it installed (:attr:`StepPlan.plac
 **The epoch** is the membership the steps are agreed under: epoch 0 is every attention rank of the
 launch. A later change of membership is a new epoch with its own members, not a change to the step
 protocol. **A lost member**: the launcher writes the dead attention ranks to the store
-(``afd/steps/dead``). A member waiting for a vote that does not come looks there; a dead member whose
-vote for this step is absent *after* the mark was written never votes again (it wrote before it died,
-and the mark after), so every survivor decides the same: the step goes on in epoch e + 1 without it.
+(``afd/steps/dead``, with the incarnation lost). A member waiting for a vote that does not come looks
+there; a dead member whose vote for this step is absent *after* the mark was written never votes again
+(it wrote before it died, and the mark after), so every survivor decides the same: the step goes on in
+epoch e + 1 without it.
 A vote it wrote before dying is read by everyone, and it counts as an idle voter's or a contributor's
 (the FFN ranks complete unions without a dead contributor's parts).
+
+**A restarted member rejoins** at an agreed step too. The launcher writes dead members with their
+incarnation (``afd/steps/dead``: index -> the newest incarnation lost), so a restart of index r, one
+incarnation up, is not taken for the dead one. Once the restart has its weights and links it asks to join;
+the launcher tells every member (``admit``), and each member votes the joiner from then on (a member that
+waits for commands starts a wave for it, as it would for work). The first step whose every vote names the
+joiner (:attr:`StepPlan.joiners`) is the last of the old membership: from the next step on, every member
+steps in epoch e + 1 with the joiner added, and each one writes the joiner its welcome (the epoch, the next
+step, the members and their incarnations, the wave state) at ``afd/steps/welcome/a<r>.i<incarnation>``. The
+joiner reads it, says HELLO to every FFN rank with that epoch (an FFN rank counts it among a union's
+contributors only in unions of that epoch or later), and votes the next step; the members wait for that
+vote as for any other. A joiner that dies first is dropped by the dead mark, like a member.
 
 The votes travel through a ``torch.distributed.TCPStore`` the launcher hosts: per step, one ``set``
 and one ``multi_get`` per rank (and a ``delete`` of the step before last).
@@ -67,6 +80,7 @@ class StepPlan:
     estimates: tuple[tuple[int, float], ...] = ()  # auto: the simulated step time of each m tried
     ffn_ready: int = -1  # FFN ranks every member has links to (the AND of the votes); -1: no restriction
     placement: int = -1  # the expert placement version every member has installed (the lowest voted); -1: unchanged
+    joiners: tuple[tuple[int, int], ...] = ()  # (attention rank, incarnation) every vote admits: members from the next step
 
     @property
     def mask(self) -> int:
@@ -79,22 +93,25 @@ class StepPlan:
 
 
 def decide(epoch: int, step: int, members: Sequence[int], votes: Sequence[Spans], pipeline: PipelineConfig,
-           num_layers: int, cost: CostModel, ffn_ready: Sequence[int] = (), placements: Sequence[int] = ()) -> StepPlan:
+           num_layers: int, cost: CostModel, ffn_ready: Sequence[int] = (), placements: Sequence[int] = (),
+           joins: Sequence[Sequence[tuple[int, int]]] = ()) -> StepPlan:
     """The step's plan from every member's vote: a pure function, so every member computes the same.
 
     m: 1 in sync mode; with ``auto``, the fastest m for the union of every contributor's chunks
     (:func:`choose_plan`); else the configured m. It is then capped to the most pieces any contributor
     can form (tokens, or requests for the ``request`` split), so that no micro-batch is empty on every
-    rank."""
+    rank. Joiners: those every vote admits (none that is a member already)."""
     ready = -1
     for mask in ffn_ready:
         ready &= mask
     version = min(placements, default=-1)
+    admitted = set.intersection(*(set(j) for j in joins)) if joins else set()
+    joiners = tuple(sorted(j for j in admitted if j[0] not in members))
     contributors = tuple(r for r, v in zip(members, votes) if v)
     if not contributors:
-        return StepPlan(epoch, step, (), 0, 0, tuple(votes), ffn_ready=ready, placement=version)
+        return StepPlan(epoch, step, (), 0, 0, tuple(votes), ffn_ready=ready, placement=version, joiners=joiners)
     if pipeline.mode == "sync":
-        return StepPlan(epoch, step, contributors, 1, 1, tuple(votes), ffn_ready=ready, placement=version)
+        return StepPlan(epoch, step, contributors, 1, 1, tuple(votes), ffn_ready=ready, placement=version, joiners=joiners)
     estimates: tuple = ()
     if pipeline.adaptive:
         union = [span for v in votes for span in v]
@@ -103,7 +120,7 @@ def decide(epoch: int, step: int, members: Sequence[int], votes: Sequence[Spans]
     else:
         m = pipeline.effective_microbatches
     agreed = max(own_plan(v, m, pipeline, cost).num_microbatches for v in votes if v)
-    return StepPlan(epoch, step, contributors, agreed, m, tuple(votes), estimates, ready, version)
+    return StepPlan(epoch, step, contributors, agreed, m, tuple(votes), estimates, ready, version, joiners)
 
 
 def own_plan(spans: Spans, m: int, pipeline: PipelineConfig, cost: CostModel) -> MicrobatchPlan:
@@ -113,26 +130,33 @@ def own_plan(spans: Spans, m: int, pipeline: PipelineConfig, cost: CostModel) ->
     return plan_microbatches(spans, m, pipeline.split, cost, min_tokens)
 
 
-def encode_vote(spans: Spans, ffn_ready: int = -1, placement: int = 0) -> bytes:
-    return json.dumps([ffn_ready, placement, spans], separators=(",", ":")).encode()
+def encode_vote(spans: Spans, ffn_ready: int = -1, placement: int = 0, joiners: Sequence[tuple[int, int]] = ()) -> bytes:
+    return json.dumps([ffn_ready, placement, spans, joiners], separators=(",", ":")).encode()
 
 
-def decode_vote(data: bytes) -> tuple[Spans, int, int]:
-    ffn_ready, placement, spans = json.loads(data)
-    return tuple((int(a), int(b)) for a, b in spans), int(ffn_ready), int(placement)
+def decode_vote(data: bytes) -> tuple[Spans, int, int, tuple[tuple[int, int], ...]]:
+    ffn_ready, placement, spans, joiners = json.loads(data)
+    return (tuple((int(a), int(b)) for a, b in spans), int(ffn_ready), int(placement),
+            tuple((int(r), int(i)) for r, i in joiners))
 
 
 class StepPlane:
     """One attention rank's side of the agreement: votes through the launcher's TCPStore."""
 
-    def __init__(self, rank: int, members: Sequence[int], host: str, port: int, timeout: float = 600.0, epoch: int = 0) -> None:
+    def __init__(self, rank: int, members: Sequence[int], host: str, port: int, timeout: float = 600.0, epoch: int = 0,
+                 incarnation: int = 0) -> None:
+        """A member of epoch ``epoch``; or, with ``incarnation`` > 0 and no members, a restart that joins
+        (:meth:`join`) before its first step."""
         import torch.distributed as dist
 
-        if rank not in members:
+        if rank not in members and not (incarnation and not members):
             raise ValueError(f"attention rank {rank} is not a member of epoch {epoch}: {list(members)}")
         self.store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout))
         self.rank, self.members, self.epoch = rank, tuple(members), epoch
+        self.incarnation = incarnation
+        self.incarnations: dict[int, int] = {r: 0 for r in members}  # each member's incarnation (a dead mark names one)
+        self.pending: set[tuple[int, int]] = set()  # restarts admitted (the launcher said so), not yet members
         self.timeout = timeout
         self._mine: list[str] = []  # this rank's vote keys, oldest first (each deleted two steps later)
         self.step = 1  # the next step to agree (numbered from 1)
@@ -140,7 +164,8 @@ class StepPlane:
         self.waves_done = 0
         self.num_votes = 0
         self.num_idle_votes = 0  # steps this rank voted without work (it ran no model pass)
-        self.num_epochs_changed = 0  # members lost
+        self.num_epochs_changed = 0  # members lost or joined
+        self.num_joined = 0  # restarts that became members
 
     def _key(self, step: int, rank: int) -> str:
         return f"afd/steps/e{self.epoch}/s{step}/a{rank}"
@@ -158,9 +183,12 @@ class StepPlane:
             except (dist.DistStoreError, RuntimeError):  # not every vote yet
                 waited += VOTE_POLL_S
             dead = self.dead_members()
-            gone = [r for r in self.members if r in dead and r != self.rank and not self.store.check([self._key(s, r)])]
+            gone = [r for r in self.members if dead.get(r, -1) >= self.incarnations[r] and r != self.rank
+                    and not self.store.check([self._key(s, r)])]
             if gone:
                 self.members = tuple(r for r in self.members if r not in gone)
+                for r in gone:
+                    del self.incarnations[r]
                 self.epoch += 1
                 self.store.set(self._key(s, self.rank), self.store.get(self._mine[-1]))  # this step's vote, in the new epoch
                 self._mine.append(self._key(s, self.rank))
@@ -170,11 +198,53 @@ class StepPlane:
                 raise TimeoutError(f"attention rank {self.rank}: no vote for step {s} from attention ranks "
                                    f"{[r for r in self.members if not self.store.check([self._key(s, r)])]} within {self.timeout:.0f} s")
 
-    def dead_members(self) -> set[int]:
-        """The attention ranks the launcher marked dead."""
+    def dead_members(self) -> dict[int, int]:
+        """The attention ranks the launcher marked dead: index -> the newest incarnation lost."""
         if not self.store.check([DEAD_KEY]):
-            return set()
-        return set(json.loads(self.store.get(DEAD_KEY)))
+            return {}
+        return {int(r): int(i) for r, i in json.loads(self.store.get(DEAD_KEY)).items()}
+
+    def admit(self, rank: int, incarnation: int) -> None:
+        """The launcher says a restart of ``rank`` asks to join: vote it from the next step on."""
+        if rank == self.rank:
+            raise ValueError(f"attention rank {self.rank}: asked to admit itself")
+        if self.incarnations.get(rank, -1) < incarnation:
+            self.pending.add((rank, incarnation))
+
+    @property
+    def wants_wave(self) -> bool:
+        """A joiner waits to be voted in: a rank waiting for commands starts a wave for it, as for work."""
+        return bool(self.pending)
+
+    def join(self, timeout: float) -> None:
+        """A restart: wait for the members' welcome, then step with them (the next :meth:`agree` is its first vote)."""
+        import torch.distributed as dist
+
+        key = welcome_key(self.rank, self.incarnation)
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=timeout))
+        except (dist.DistStoreError, RuntimeError):
+            raise TimeoutError(f"attention rank {self.rank} (incarnation {self.incarnation}): the other attention ranks did "
+                               f"not take it back within {timeout:.0f} s") from None
+        w = json.loads(self.store.get(key))
+        self.store.delete_key(key)
+        self.epoch, self.step, self.in_wave, self.waves_done = w["epoch"], w["step"], w["in_wave"], w["waves_done"]
+        self.incarnations = {int(r): int(i) for r, i in w["incarnations"].items()}
+        self.members = tuple(sorted(self.incarnations))
+
+    def _take_in(self, plan: StepPlan) -> None:
+        """Every vote of this step admitted ``plan.joiners``: from the next step, a new epoch with them; welcome each."""
+        for rank, incarnation in plan.joiners:
+            self.incarnations[rank] = incarnation
+            self.pending.discard((rank, incarnation))
+        self.members = tuple(sorted(self.incarnations))
+        self.epoch += 1
+        self.num_epochs_changed += 1
+        self.num_joined += len(plan.joiners)
+        welcome = json.dumps({"epoch": self.epoch, "step": self.step, "in_wave": self.in_wave, "waves_done": self.waves_done,
+                              "incarnations": self.incarnations})
+        for rank, incarnation in plan.joiners:  # every member writes the same: whoever survives, it is there
+            self.store.set(welcome_key(rank, incarnation), welcome)
 
     def join_wave(self, wave: int) -> bool:
         """Join wave ``wave`` unless it is done already (a start that arrives late); True if joined."""
@@ -191,25 +261,34 @@ class StepPlane:
             raise RuntimeError(f"attention rank {self.rank}: a step outside a wave (a bug: every member must be in it)")
         s = self.step
         key = self._key(s, self.rank)
-        self.store.set(key, encode_vote(spans, ffn_ready, placement))
+        if self.pending:  # a joiner that died since it asked is not voted in
+            dead = self.dead_members()
+            self.pending = {(r, i) for r, i in self.pending if dead.get(r, -1) < i and r not in self.members}
+        self.store.set(key, encode_vote(spans, ffn_ready, placement, sorted(self.pending)))
         self._mine.append(key)
         raw = self._read_votes(s)
         if len(self._mine) >= 3:  # every member has read step s - 2's votes before it could vote for s - 1
             self.store.delete_key(self._mine.pop(0))
         votes = [decode_vote(v) for v in raw]
         plan = decide(self.epoch, s, self.members, [v[0] for v in votes], pipeline, num_layers, cost, [v[1] for v in votes],
-                      [v[2] for v in votes])
+                      [v[2] for v in votes], [v[3] for v in votes])
         self.step += 1
         self.num_votes += 1
         self.num_idle_votes += not spans
         if plan.is_empty:
             self.in_wave = False
             self.waves_done += 1
+        if plan.joiners:
+            self._take_in(plan)
         return plan
 
 
+def welcome_key(rank: int, incarnation: int) -> str:
+    return f"afd/steps/welcome/a{rank}.i{incarnation}"
+
+
 SOLO_EPOCH = 0x8000  # + rank: the epoch of a rank's solo steps (a membership of one)
-DEAD_KEY = "afd/steps/dead"  # JSON list of the attention ranks the launcher found dead
+DEAD_KEY = "afd/steps/dead"  # JSON {attention rank: its newest incarnation lost}, written by the launcher
 VOTE_POLL_S = 0.2  # a wait for votes looks for dead members this often
 
 

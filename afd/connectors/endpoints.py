@@ -409,11 +409,12 @@ class AttentionEndpoint:
             )
         self._stash[key][r] = out
 
-    def handshake(self) -> None:
+    def handshake(self, epoch: int = 0) -> None:
         """HELLO to every FFN rank and HELLO back from each: the protocol version is checked on both sides
-        (Header.unpack refuses another version, naming the sender) before any work is sent."""
+        (Header.unpack refuses another version, naming the sender) before any work is sent. A restart that
+        rejoins the step agreement says the epoch it steps from (the FFN ranks count it in unions from there)."""
         for r in self.alive:
-            self.mailbox.send(r, make_message(Header(Kind.HELLO, Role.ATTENTION, self.rank, r), {}))
+            self.mailbox.send(r, make_message(Header(Kind.HELLO, Role.ATTENTION, self.rank, r, epoch=epoch), {}))
         waiting = set(self.alive)
         deadline = time.monotonic() + self.timeout
         while waiting:

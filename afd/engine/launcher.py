@@ -109,7 +109,8 @@ class _Rank:
     done: bool = False  # said bye / exited as asked
     failed: bool = False  # already reported
     lost: bool = False  # an FFN rank the run goes on without (its experts have other copies)
-    joined: bool = True  # a replacement: every attention rank has linked to it
+    joined: bool = True  # a replacement: every attention rank has linked to it; a restart: it is serving
+    joining: bool = False  # a restarted attention rank asked the others to take it into their steps
     linked: set = field(default_factory=set)  # a replacement: the attention ranks linked to it so far
     started_at: float = 0.0
     final_stats: Any = None  # what the rank said on exit (FFN: items, batches, mean expert GEMM rows)
@@ -185,11 +186,12 @@ class Cluster:
         self.ffn_replacements: list[dict] = []  # every replacement back in use: rank, pid, generation, seconds to join
         self.max_replacements = 3  # per FFN rank, over the run
         self.replace_ffn = True  # start a replacement for every lost FFN rank
-        self.replica_failover = True  # a lost attention rank's requests move to another (A >= 2, shm)
+        self.replica_failover = True  # a lost attention rank's requests move to another (A >= 2, shm or tcp)
         self.replica_losses: list[dict] = []
-        self.restart_replicas = True  # a lost single attention rank is restarted, its requests waiting for it
+        self.restart_replicas = True  # a lost attention rank is restarted (A = 1: its requests wait for it)
         self.max_restarts = 3  # per attention rank, over the run
         self.restarting: set[int] = set()  # attention ranks being restarted
+        self._unrestarted: list[_Rank] = []  # lost attention ranks whose restart waits (an FFN replacement, a rebalance)
         self.replica_restarts: list[dict] = []  # every restart back in use: rank, pid, incarnation, seconds
         self.placement_version = 0  # of self.placement: a rebalance counts it up
         self.rebalances: list[dict] = []  # every rebalance done: version, load max/mean before and after, seconds
@@ -248,19 +250,50 @@ class Cluster:
         return any(not r.lost for r in self.attention_ranks() if r is not rank) or self._can_restart(rank)
 
     def _restarts_replicas(self) -> bool:
-        """Whether a lost attention rank is restarted (its requests wait for it): with one attention rank, on a
-        transport whose links reopen. (With several, its requests move to the others; a restart would have to
-        rejoin their step agreement, which is not built.)"""
-        return self.restart_replicas and self.topology.num_attention_ranks == 1 and self.topology.transport in REOPENABLE
+        """Whether a lost attention rank is restarted, on a transport whose links reopen. With one attention
+        rank its requests wait for the restart; with several they move to the others, and the restart joins
+        their step agreement (afd/attention/steps.py)."""
+        return self.restart_replicas and self.topology.transport in REOPENABLE
 
     def _can_restart(self, rank: _Rank) -> bool:
-        if not self._restarts_replicas() or self._closed or rank.spec.incarnation >= self.max_restarts:
-            return False
+        """Whether a lost attention rank may be restarted (its restarts not used up), now or once
+        :meth:`_restart_waits` is over."""
+        return self._restarts_replicas() and not self._closed and rank.spec.incarnation < self.max_restarts
+
+    def _restart_waits(self) -> str:
+        """Why a restart must wait ("" if it need not): its links and placement would be out of date at once."""
         unsettled = [f.spec.name for f in self.ranks if f.spec.role == Role.FFN and not f.lost and not f.joined]
-        if unsettled:  # its links would go to an FFN rank still being replaced
-            log.warning("run %s: %s is not restarted: %s are starting", self.run_id, rank.spec.name, unsettled)
-            return False
-        return True
+        if unsettled:
+            return f"{', '.join(unsettled)} {'is' if len(unsettled) == 1 else 'are'} starting"
+        if self._rebalance is not None:
+            return f"the rebalance to placement version {self._rebalance['version']} is in progress"
+        return ""
+
+    def _restart_or_forget(self, lost: _Rank) -> None:
+        """A lost attention rank: restart it now, later (:meth:`_restart_waits`), or never (its restarts are used
+        up: the FFN ranks stop waiting for it)."""
+        if not self._can_restart(lost):
+            if self._restarts_replicas() and not self._closed:
+                log.warning("run %s: %s is not restarted again (%d restarts); the others serve without it", self.run_id,
+                            lost.spec.name, lost.spec.incarnation)
+                for f in self.ranks:
+                    if f.spec.role == Role.FFN and not f.lost and not f.done:
+                        f.send(("attention_gone", lost.spec.index))
+            return
+        why = self._restart_waits()
+        if why:
+            log.warning("run %s: %s is restarted once %s", self.run_id, lost.spec.name, why)
+            self.restarting.add(lost.spec.index)
+            self._unrestarted.append(lost)
+            return
+        self._restart_replica(lost)
+
+    def _restart_waiting(self) -> None:
+        """Restarts that waited, once nothing holds them back."""
+        if self._unrestarted and not self._restart_waits():
+            waiting, self._unrestarted = self._unrestarted, []
+            for lost in waiting:
+                self._restart_replica(lost)
 
     def _restart_replica(self, lost: _Rank) -> None:
         """Start a lost attention rank again: the same index, links of a new incarnation to every FFN rank (at its
@@ -278,8 +311,17 @@ class Cluster:
                        placement_version=self.placement_version)
         rank = self._spawn(spec, joined=False, started_at=time.monotonic())
         self.restarting.add(lost.spec.index)
-        log.warning("run %s: restarting %s (pid %d, incarnation %d); its requests wait for it", self.run_id, lost.spec.name,
-                    rank.proc.pid, incarnation)
+        log.warning("run %s: restarting %s (pid %d, incarnation %d); %s", self.run_id, lost.spec.name, rank.proc.pid, incarnation,
+                    "it joins the others' steps" if self.topology.num_attention_ranks > 1 else "its requests wait for it")
+
+    def _joining(self, r: _Rank) -> tuple:
+        """A restart of one of several attention ranks asks to join the step agreement: every other one that
+        steps (serving, or joining itself) votes it in; the front end may talk to it from now on."""
+        r.joining = True
+        for a in self.attention_ranks():
+            if a is not r and not a.lost and (a.joined or a.joining) and a.ready is not None:
+                a.send(("admit", r.spec.index, r.spec.incarnation))
+        return ("replica_joining", r.spec.incarnation)
 
     def _restarted(self, r: _Rank) -> tuple:
         r.joined = True
@@ -298,7 +340,10 @@ class Cluster:
         from afd.attention.steps import DEAD_KEY
 
         rank.lost = rank.done = True
-        dead = sorted(a.spec.index for a in self.attention_ranks() if a.lost)
+        dead: dict[int, int] = {}  # index -> its newest incarnation lost (a restart, one up, is not the dead one)
+        for a in self.ranks:
+            if a.spec.role == Role.ATTENTION and a.lost:
+                dead[a.spec.index] = max(dead.get(a.spec.index, -1), a.spec.incarnation)
         for r in self.ranks:  # a replacement, or a rebalance, waits no longer for it
             if not r.joined and not r.lost and r.spec.role == Role.FFN and {a.spec.index for a in self._live_attention()} <= r.linked:
                 self._replacement_event(rank, ("ffn_joined", r.spec.index, r.spec.generation))
@@ -565,6 +610,8 @@ class Cluster:
             raise RuntimeError(f"a rebalance to placement version {self._rebalance['version']} is in progress")
         if any(not r.joined for r in self.ranks if r.spec.role == Role.FFN and not r.lost):
             raise RuntimeError("a replacement FFN rank is starting: rebalance once it is back in use")
+        if self.restarting:
+            raise RuntimeError(f"attention ranks {sorted(self.restarting)} are restarting: rebalance once they are back")
         if self.topology.num_ffn_ranks < 2:
             raise RuntimeError("one FFN rank holds every expert: there is nothing to rebalance")
         if self.remote_ffn():
@@ -642,6 +689,7 @@ class Cluster:
 
     def _sweep(self, timeout: float) -> tuple[list[tuple[_Rank, tuple]], list[tuple[int, str, str]]]:
         self._check_remote_joins()
+        self._restart_waiting()
         handles = [r.conn for r in self.ranks if not r.conn.closed] + [r.sentinel for r in self.ranks if r.sentinel is not None]
         ready = wait(handles, timeout=timeout)
         got, failures = [], []
@@ -661,6 +709,8 @@ class Cluster:
                     log.info("%s READY (pid %d): %d tensors, %.1f MB read", r.spec.name, msg[1].pid, len(msg[1].tensors), msg[1].bytes_read / 1e6)
                     if r.spec.role == Role.ATTENTION and r.spec.incarnation:
                         got.append((r, self._restarted(r)))
+                elif msg[0] == "joining":
+                    got.append((r, self._joining(r)))
                 elif msg[0] == "bye":
                     r.done = True
                     r.final_stats = msg[1]
@@ -694,8 +744,7 @@ class Cluster:
                     continue
                 if self._replica_survivable(r):
                     self._lose_replica(r, cause)
-                    if self._can_restart(r):
-                        self._restart_replica(r)
+                    self._restart_or_forget(r)
                     got.append((r, ("replica_lost", cause)))
                     continue
                 r.failed = True

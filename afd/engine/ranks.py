@@ -110,6 +110,7 @@ def selection_for(spec: RankSpec) -> WeightSelection:
 
 
 COMBINE_BACKSTOP_S = 300.0
+JOIN_TIMEOUT_S = 120.0  # a restart waits this long (plus the link timeout) for the others to take it into their steps
 
 
 def failover_enabled(topology: Topology, placement: ExpertPlacement) -> bool:
@@ -211,8 +212,10 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
         _trace(runner, "ffn_lost", f"ffn rank {loss.rank} lost ({loss.reason}); {loss.redispatched} in-flight units re-dispatched")
 
     endpoint.on_ffn_lost = ffn_lost
-    endpoint.handshake()  # protocol version agreed with every FFN rank before READY
-    mailbox.start_heartbeats(spec.link.heartbeat_interval, spec.link.link_timeout)
+    rejoining = bool(spec.incarnation) and spec.steps is not None  # a restart that joins the others' step agreement
+    if not rejoining:  # (a restart's HELLO says the epoch it is taken back in: below, once it knows)
+        endpoint.handshake()  # protocol version agreed with every FFN rank before READY
+    mailbox.start_heartbeats(spec.link.heartbeat_interval, spec.link.link_timeout)  # a restart beats while it waits
     e = spec.engine
     dtype = model.model.embed_tokens.weight.dtype
     cache = cache_config_for(model, e.kv_cache_memory, e.block_size, dtype)
@@ -220,7 +223,9 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
     if spec.steps is not None:
         from afd.attention.steps import StepPlane
 
-        plane = StepPlane(spec.index, range(t.num_attention_ranks), *spec.steps, timeout=max(600.0, spec.link_timeout))
+        members = () if rejoining else range(t.num_attention_ranks)
+        plane = StepPlane(spec.index, members, *spec.steps, timeout=max(600.0, spec.link_timeout),
+                          incarnation=spec.incarnation if rejoining else 0)
     runner = DisaggregatedRunner(model, cache, endpoint, t, spec.pipeline, plane=plane)
     config = EngineConfig(cache=cache, max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                           dtype="bfloat16" if dtype == torch.bfloat16 else "float32", max_model_len=e.max_model_len,
@@ -247,9 +252,19 @@ def _attention_main(spec: RankSpec, conn, hub) -> None:
         conn.send(("placement_in_use", version))
         _trace(runner, "placement", f"expert placement version {version} from this step")
 
-    runner.on_placement = placement_in_use
-    own = {"ffn_join": ffn_join, "placement": placement}
+    def admit(cmd) -> None:  # ("admit", attention rank, incarnation): vote its restart into the steps
+        plane.admit(cmd[1], cmd[2])
+        _trace(runner, "admit", f"attention rank {cmd[1]}'s restart (incarnation {cmd[2]}) asks to join")
 
+    runner.on_placement = placement_in_use
+    own = {"ffn_join": ffn_join, "placement": placement, "admit": admit}
+
+    if rejoining:  # everything is built: ask to join, and wait at most a link timeout past a step's for the welcome
+        conn.send(("joining", spec.incarnation))
+        plane.join(JOIN_TIMEOUT_S + spec.link_timeout)
+        endpoint.handshake(epoch=plane.epoch)
+        log.warning("%s (incarnation %d): taken back into the agreed steps from step %d (epoch %d, members %s)", spec.name,
+                    spec.incarnation, plane.step, plane.epoch, list(plane.members))
     conn.send(("ready", ready))
     try:
         while True:
@@ -388,6 +403,9 @@ def _rebalance_loader(spec: RankSpec, conn, send, worker: FFNWorker) -> None:
             cmd = conn.recv()
             if cmd[0] == "attention_join":  # ("attention_join", attention rank, incarnation): its restart's links
                 worker.relink(cmd[1], cmd[2])
+                continue
+            if cmd[0] == "attention_gone":  # ("attention_gone", attention rank): it is not restarted
+                worker.relink(cmd[1], None)
                 continue
             if cmd[0] != "placement":
                 raise ValueError(f"unknown FFN rank command {cmd[0]!r}")

@@ -11,11 +11,12 @@ Commands (front end -> replica):
     ("abort", rid)                             the client went away: free its blocks
     ("start_wave", w)                          every attention rank joins wave w of agreed steps
     ("ffn_join", f, g)                         an attention rank: link to FFN rank f's replacement (generation g)
+    ("admit", a, i)                            an attention rank: vote attention rank a's restart (incarnation i) in
     ("stop",)                                  abort everything, reply ("stopped", stats), return
 Events (replica -> front end):
     ("deltas", [TokenDelta], stats)            after every step that produced tokens; delta.tag is the rid
     ("rejected", rid, message)                 the request could not be admitted
-    ("need_wave", w)                           work arrived while the attention ranks wait: start wave w
+    ("need_wave", w)                           work (or a restart to admit) arrived while the attention ranks wait: start wave w
     ("stats", stats)                           counters, when they changed while idle
     ("ffn_lost", f, g, reason, hung) / ("ffn_joined", f, g)  an attention rank stopped using FFN rank f / linked to its replacement
 
@@ -102,8 +103,8 @@ def _serve(engine: LLMEngine, conn, extra_stats: Callable[[], dict] | None, idle
                 stopping = True  # the wave this rank is in ends with the others' (all are stopping)
             else:
                 raise ValueError(f"serving loop: unknown command {cmd[0]!r}")
-        if plane is not None and not plane.in_wave and engine.has_unfinished() and asked < plane.waves_done:
-            asked = plane.waves_done  # work while the ranks wait: every rank must join the next wave
+        if plane is not None and not plane.in_wave and (engine.has_unfinished() or plane.wants_wave) and asked < plane.waves_done:
+            asked = plane.waves_done  # work (or a restart to take in) while the ranks wait: every rank must join the next wave
             conn.send(("need_wave", asked))
         if stopping and not (plane is not None and plane.in_wave):
             if capture is not None:

@@ -89,7 +89,9 @@ class FFNWorker:
         self.lost_attention = 0  # bitmask of attention ranks that died (their parts never come)
         self.attention_restart = False  # a lost attention rank is restarted: wait for it (its HELLO takes it back)
         self.attention_restarts = 0  # attention ranks taken back after a restart
-        self._relink: queue.Queue = queue.Queue()  # (attention rank, incarnation): open its restart's links (another thread asks)
+        self._rejoined: dict[int, int] = {}  # attention rank -> the epoch its restart contributes from (older unions: without it)
+        self._relink: queue.Queue = queue.Queue()  # (attention rank, incarnation): open its restart's links; None: it is
+        # not restarted, stop waiting for it (another thread asks)
         self._open: set[int] = set()
         self.on_attention_silent = None  # called with (attention rank, reason) when one is found hung
         self._checked_at = 0.0
@@ -203,9 +205,18 @@ class FFNWorker:
             self.owed[h.src_index] = self.owed.get(h.src_index, 0) + 1
         else:
             self.empty_parts += 1
-        if union.is_whole(self.lost_attention):
+        if union.is_whole(self._excused(h.epoch)):
             return key, self._unions.pop(key)
         return None
+
+    def _excused(self, epoch: int) -> int:
+        """The attention ranks whose parts a union of ``epoch`` does not wait for (bitmask): the lost ones, and
+        a restart taken back in a later epoch (the union named its lost predecessor)."""
+        mask = self.lost_attention
+        for rank, since in self._rejoined.items():
+            if epoch < since:
+                mask |= 1 << rank
+        return mask
 
     def _check_silence(self, open_ranks: set[int]) -> list:
         """A hung attention rank (silent past the link timeout): reported, then treated as lost; the unions
@@ -230,7 +241,7 @@ class FFNWorker:
             open_ranks.discard(rank)
         self.lost_attention |= 1 << rank
         self.owed.pop(rank, None)
-        whole = [(key, u) for key, u in self._unions.items() if u.is_whole(self.lost_attention)]
+        whole = [(key, u) for key, u in self._unions.items() if u.is_whole(self._excused(key[0]))]
         for key, _ in whole:
             del self._unions[key]
         return whole
@@ -285,7 +296,7 @@ class FFNWorker:
                     continue
                 elif h.kind == Kind.HELLO:  # the version was checked when the header was read
                     if self.lost_attention >> h.src_index & 1:
-                        self._readmit(h.src_index)
+                        self._readmit(h.src_index, h.epoch)
                     self.mailbox.send(h.src_index, make_message(Header(Kind.HELLO, Role.FFN, self.mailbox.index, h.src_index), {}))
                 else:
                     try:
@@ -307,25 +318,35 @@ class FFNWorker:
         if self.lost_attention == (1 << self.num_attention_ranks) - 1:  # nobody said SHUTDOWN: their host is gone
             raise PeerDiedError(f"{self.mailbox.name}: every attention rank is gone without a SHUTDOWN (their node, or the run, died)")
 
-    def relink(self, attention_rank: int, incarnation: int) -> None:
-        """A lost attention rank was restarted (any thread): open the links of its ``incarnation``, between two rounds."""
+    def relink(self, attention_rank: int, incarnation: int | None) -> None:
+        """A lost attention rank was restarted (any thread): open the links of its ``incarnation``, between two
+        rounds. None: it will not be (restarts used up); stop waiting for its SHUTDOWN."""
         self._relink.put((attention_rank, incarnation))
 
     def _relink_restarted(self) -> None:
         while not self._relink.empty():
             rank, incarnation = self._relink.get()
+            if incarnation is None:
+                self._open.discard(rank)
+                log.warning("%s: attention rank %d is not restarted; serving without it", self.mailbox.name, rank)
+                continue
+            if not self.lost_attention >> rank & 1:  # its predecessor is dead (the launcher saw it), whether or not this saw it yet
+                self._late += self._attention_lost(rank, self._open)
             self.mailbox.readmit(rank, incarnation)
             log.warning("%s: linked to attention rank %d's restart (incarnation %d)", self.mailbox.name, rank, incarnation)
 
-    def _readmit(self, rank: int) -> None:
-        """A lost attention rank's restart said HELLO: it contributes again, from its own first step."""
+    def _readmit(self, rank: int, epoch: int) -> None:
+        """A lost attention rank's restart said HELLO: it contributes again from ``epoch`` (the one the other
+        attention ranks took it back in; 0 for the only one, whose steps count from the start again)."""
         self.lost_attention &= ~(1 << rank)
+        self._rejoined[rank] = epoch
         for key in [k for k in self._last if k[0] == rank]:  # its steps count from the start again
             del self._last[key]
         self._newest_seen.pop(rank, None)
+        self.owed.pop(rank, None)
         self._open.add(rank)
         self.attention_restarts += 1
-        log.warning("%s: attention rank %d is back (restarted)", self.mailbox.name, rank)
+        log.warning("%s: attention rank %d is back (restarted), a contributor from epoch %d", self.mailbox.name, rank, epoch)
 
     def offer(self, version: int, model: MoEModel, placement: ExpertPlacement) -> None:
         """A rebalance (any thread): the experts of placement ``version``, loaded; installed between two rounds."""
@@ -407,7 +428,7 @@ class FFNWorker:
         for it in items:
             n = it.hidden.shape[0]
             h = it.header
-            if self.lost_attention >> h.src_index & 1:  # computed with the others; nobody to answer
+            if self._excused(h.epoch) >> h.src_index & 1:  # computed with the others; nobody to answer (a lost one's part)
                 start += n
                 continue
             try:

@@ -181,7 +181,7 @@ class ClusterReplicas:
 
     def send(self, replica: int, cmd: tuple) -> None:
         rank = self.cluster.attention_ranks()[replica]
-        if rank.lost or not rank.joined:  # its requests were moved, or wait for its restart: nobody to reach
+        if rank.lost or not (rank.joined or rank.joining):  # its requests were moved, or wait for its restart: nobody to reach
             return
         rank.send(cmd)
 
@@ -194,8 +194,11 @@ class ClusterReplicas:
             raise ReplicaFailed(str(e)) from None
         out = []
         for replica, msg in events:
-            if msg[0] == "replica_restarted":  # serving from now on; the front end resumes its requests on it
+            if msg[0] == "replica_joining":  # a restart joins the others' steps: it serves (and takes their waves) from now on
                 self.send(replica, ("serve", self.pipeline, {}))
+            elif msg[0] == "replica_restarted":  # serving from now on; the front end resumes its requests on it
+                if not self.cluster.attention_ranks()[replica].joining:  # (a joiner was told at its join)
+                    self.send(replica, ("serve", self.pipeline, {}))
                 out.append((replica, msg))
             elif msg[0] == "need_wave":  # a rank got work while all wait: every rank joins the next wave, once
                 if msg[1] > self._wave:
@@ -408,7 +411,10 @@ class Frontend:
             self._add(replica, (stream.rid, stream.prompt_ids, stream.params, list(stream.token_ids)))
         if self.metrics is not None:
             self.metrics.requests_moved.inc(resumed)
-        log.warning("replica %d restarted: %d requests resume on it", replica, resumed)
+        if resumed:
+            log.warning("replica %d restarted: %d requests resume on it", replica, resumed)
+        else:
+            log.warning("replica %d restarted: it serves again", replica)
 
     def _add(self, replica: int, request: tuple) -> None:
         """Queue a request for its replica; what arrives in one turn of the event loop goes as one message,

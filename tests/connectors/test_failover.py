@@ -134,3 +134,32 @@ def test_without_failover_a_lost_rank_fails_as_before(model, ffn_models):
         ranks.endpoint.failover = False
         with pytest.raises(PeerDiedError, match="test"):
             lose(ranks.endpoint, 1)
+
+
+def test_a_restarted_attention_rank_counts_in_unions_only_from_the_epoch_it_rejoined(ffn_models):
+    """Attention rank 2 dies while a union of epoch 0 names it; its restart is taken back in epoch 2. The old
+    union is whole without it even after the restart's HELLO (a survivor's part may come late: a long
+    prefill), and a union of epoch 2 waits for the restart's part."""
+    from afd.connectors.endpoints import WorkItem
+    from afd.connectors.protocol import Header, Kind, Op
+
+    hub = LoopbackHub()
+    worker = FFNWorker(ffn_models[0], LoopbackMailbox(hub, Role.FFN, 0, 3), 3, placement=PLACEMENT)
+    worker.attention_restart = True
+    layer = worker.model.config.moe.layers[0]
+    hidden = worker.model.config.hidden_size
+
+    def part(src: int, epoch: int, seq: int, members: int) -> WorkItem:
+        h = Header(Kind.WORK, Role.ATTENTION, src, 0, layer=layer, seq=seq, ops=Op.ROUTED, epoch=epoch, members=members, ffn_members=1)
+        return WorkItem(h, torch.zeros(0, hidden), None, None)
+
+    try:
+        assert worker._add(part(0, 0, 7, 0b111)) is None
+        assert worker._attention_lost(2, {0, 1, 2}) == []  # rank 1's part is still to come
+        worker._readmit(2, 2)  # its restart said HELLO for epoch 2
+        assert worker._add(part(1, 0, 7, 0b111)) is not None  # the old union: whole without rank 2
+        assert worker._add(part(0, 2, 9, 0b101)) is None  # epoch 2: the restart contributes
+        assert worker._add(part(2, 2, 9, 0b101)) is not None
+        assert worker._excused(1) == 0b100 and worker._excused(2) == 0
+    finally:
+        hub.close()

@@ -1,12 +1,13 @@
 """An attention replica dies or hangs under load and its requests move (real processes: ``afd serve`` with 3
-attention ranks and 1 FFN rank on shm): each is recomputed on the survivor from its prompt plus the tokens
-it streamed. A single attention rank is restarted instead, its requests waiting for it (1 attention + 2 FFN
-ranks, over shm and over tcp). No client sees an error or repeated text, greedy and seeded texts equal a fault-free run's."""
+attention ranks and 1 FFN rank on shm): each is recomputed on a survivor from its prompt plus the tokens
+it streamed, and the lost replica is restarted and rejoins the step agreement. A single attention rank is
+restarted too, its requests waiting for it (1 attention + 2 FFN ranks, over shm and over tcp). No client sees an error or repeated text, greedy and seeded texts equal a fault-free run's."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -27,24 +28,47 @@ def _run(s: Server, fault=None) -> dict:
     return s.streams([_payload(i) for i in range(STREAMS)], fault)
 
 
-def test_lost_replicas_requests_move_and_finish_unchanged():
+def _serving(s: Server, name: str, timeout: float = 30.0) -> int:
+    """The pid of ``name``'s incarnation that serves, once one does (a restart takes a second or two)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = [r["pid"] for r in s.get("/health").json()["ranks"] if r["name"] == name and r["state"] == "serving"]
+        if pids:
+            return pids[0]
+        time.sleep(0.1)
+    raise AssertionError(f"{name} did not serve again within {timeout:.0f} s: {s.get('/health').json()['ranks']}")
+
+
+def _replica_peak(s: Server, replica: int) -> float:
+    """The most KV blocks the replica's current process held at once (a restart's counters start at 0)."""
+    for line in s.get("/metrics").text.splitlines():
+        if line.startswith("afd_kv_blocks_peak{") and f'replica="{replica}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_lost_replicas_requests_move_unchanged_and_their_restarts_rejoin_the_steps():
     """Three attention replicas: one is killed under load, then another is stopped (found hung by the FFN
-    rank after 2 s and killed by the launcher); every request ends on the last one, unchanged."""
+    rank after 2 s and killed by the launcher). Each time every request moves and ends unchanged, and the
+    lost replica is restarted: it joins the others' agreed steps at a step they agree on and serves again."""
     with Server(*FLAGS) as s:
         reference = _run(s)
         assert all(outcome == "done" for outcome, _ in reference.values()), reference
-        pids = {r["name"]: r["pid"] for r in s.get("/health").json()["ranks"]}
         for n, (victim, sig) in enumerate([("attention rank 2", signal.SIGKILL), ("attention rank 1", signal.SIGSTOP)], start=1):
-            out = _run(s, fault=lambda: os.kill(pids[victim], sig))
+            pid = _serving(s, victim)
+            out = _run(s, fault=lambda: os.kill(pid, sig))
             for i in range(STREAMS):
                 assert out[i][0] == "done", (victim, out[i])
                 assert out[i][1] == reference[i][1], f"stream {i} changed after {victim} was lost"
             assert s.get("/health").status_code == 200
-            states = {r["name"]: r["state"] for r in s.get("/health").json()["ranks"]}
-            assert states[victim] == "lost" and states["attention rank 0"] == "serving"
-            assert s.metric("afd_replicas_lost_total") == n and s.metric("afd_requests_moved_total") >= n
-        again = _run(s)  # the survivor serves everything now
+            assert _serving(s, victim) != pid  # its restart
+            states = [(r["pid"], r["state"]) for r in s.get("/health").json()["ranks"] if r["name"] == victim]
+            assert (pid, "lost") in states
+            assert s.metric("afd_replicas_lost_total") == n and s.metric("afd_replicas_restarted_total") == n
+            assert s.metric("afd_requests_moved_total") >= n
+        again = _run(s)  # all three serve, the two restarts among them
         assert all(again[i] == reference[i] for i in range(STREAMS))
+        assert _replica_peak(s, 1) > 0 and _replica_peak(s, 2) > 0, "a restart took no request"
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
