@@ -887,8 +887,12 @@ class Cluster:
         if graceful:
             for r in self.attention_ranks():
                 try:
-                    if r.ready is not None:
+                    if r.ready is not None and not r.lost and r.joined:
                         r.send(("shutdown",))
+                    elif self._restarts_replicas():  # lost, or its restart was stopped above: no SHUTDOWN will come from it
+                        for f in self.ranks:
+                            if f.spec.role == Role.FFN and not f.lost and not f.done and f.proc.is_alive():
+                                f.send(("attention_gone", r.spec.index))
                 except (OSError, BrokenPipeError):
                     pass
             # read last words while waiting: a rank blocked writing a large "bye" into a full pipe

@@ -89,6 +89,7 @@ class FFNWorker:
         self.lost_attention = 0  # bitmask of attention ranks that died (their parts never come)
         self.attention_restart = False  # a lost attention rank is restarted: wait for it (its HELLO takes it back)
         self.attention_restarts = 0  # attention ranks taken back after a restart
+        self._greeted: set[int] = set()  # attention ranks that said HELLO (another HELLO is a restart's)
         self._rejoined: dict[int, int] = {}  # attention rank -> the epoch its restart contributes from (older unions: without it)
         self._relink: queue.Queue = queue.Queue()  # (attention rank, incarnation): open its restart's links; None: it is
         # not restarted, stop waiting for it (another thread asks)
@@ -231,12 +232,14 @@ class FFNWorker:
             return self._attention_lost(e.peer, open_ranks)
         return []
 
-    def _attention_lost(self, rank: int, open_ranks: set[int]) -> list:
+    def _attention_lost(self, rank: int, open_ranks: set[int], forget: bool = True) -> list:
         """An attention rank's link closed without a SHUTDOWN: it died. It sends no more parts, so every
         union waiting on it is whole without it (its rows are independent of the others'); the unions that
-        now are, to compute. Its own parts are computed with them, their results dropped."""
+        now are, to compute. Its own parts are computed with them, their results dropped. ``forget``: close
+        its link (not when the link may be its restart's already)."""
         log.warning("%s: lost %s; completing the unions that waited on it", self.mailbox.name, self.mailbox.peer_name(rank))
-        self.mailbox.forget(rank)
+        if forget:
+            self.mailbox.forget(rank)
         if not self.attention_restart:  # else it stays open: its restart says HELLO on new links
             open_ranks.discard(rank)
         self.lost_attention |= 1 << rank
@@ -295,8 +298,11 @@ class FFNWorker:
                 elif h.kind == Kind.HEARTBEAT:
                     continue
                 elif h.kind == Kind.HELLO:  # the version was checked when the header was read
-                    if self.lost_attention >> h.src_index & 1:
+                    if self.lost_attention >> h.src_index & 1 or h.src_index in self._greeted:  # a restart
+                        if not self.lost_attention >> h.src_index & 1:  # its predecessor's end was not seen (tcp: its link replaced)
+                            whole += self._attention_lost(h.src_index, open_ranks, forget=False)
                         self._readmit(h.src_index, h.epoch)
+                    self._greeted.add(h.src_index)
                     self.mailbox.send(h.src_index, make_message(Header(Kind.HELLO, Role.FFN, self.mailbox.index, h.src_index), {}))
                 else:
                     try:
@@ -330,8 +336,6 @@ class FFNWorker:
                 self._open.discard(rank)
                 log.warning("%s: attention rank %d is not restarted; serving without it", self.mailbox.name, rank)
                 continue
-            if not self.lost_attention >> rank & 1:  # its predecessor is dead (the launcher saw it), whether or not this saw it yet
-                self._late += self._attention_lost(rank, self._open)
             self.mailbox.readmit(rank, incarnation)
             log.warning("%s: linked to attention rank %d's restart (incarnation %d)", self.mailbox.name, rank, incarnation)
 
