@@ -46,12 +46,16 @@ class DecodePages:
     page_row   [P] int64   which decode token (0..D-1) each page serves
     page_slots [P, N] int64  cache slot of each page position (0 past the context: masked)
     page_valid [P, N] bool   the position is part of the context
+    page_blocks [P, N / block_size] int64  the KV block of each run of ``block_size`` page positions (a page
+                           is whole blocks: its keys are gathered a block at a time, not a slot at a time)
     """
 
     rows: torch.Tensor
     page_row: torch.Tensor
     page_slots: torch.Tensor
     page_valid: torch.Tensor
+    page_blocks: torch.Tensor
+    block_size: int
 
     @property
     def num_tokens(self) -> int:
@@ -109,7 +113,8 @@ def build_attention_metadata(chunks: Sequence[SeqChunk], block_size: int, device
         rows.append(len(positions))
         positions.extend(range(c.start, c.end))
     positions_t = torch.tensor(positions, dtype=torch.long)
-    slot_mapping = torch.cat([_slots(c, block_size, c.start, c.end) for c in chunks])
+    slot_mapping = torch.tensor([t[p // block_size] * block_size + p % block_size  # plain ints: no tensor per chunk
+                                 for c in chunks for t in (c.block_table,) for p in range(c.start, c.end)], dtype=torch.long)
     lengths = torch.tensor([c.length for c in chunks])
     prefills = tuple(PrefillChunk(rows[s], c.start, c.length, _slots(c, block_size, 0, c.end).to(device))
                      for s, c in enumerate(chunks) if c.length > 1)
@@ -137,9 +142,8 @@ def _decode_pages(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: i
     per_page = block_size * max(1, min(-(-page_tokens // block_size), -(-longest // block_size)))
     page_row, page_start, ends = [], [], []
     width = max(len(c.block_table) for c in chunks)
-    tables = torch.zeros(len(chunks), width, dtype=torch.long)
+    tables = torch.tensor([[*c.block_table, *[0] * (width - len(c.block_table))] for c in chunks], dtype=torch.long)
     for d, c in enumerate(chunks):
-        tables[d, : len(c.block_table)] = torch.tensor(list(c.block_table), dtype=torch.long)
         for a in range(0, c.end, per_page):
             page_row.append(d)
             page_start.append(a)
@@ -150,4 +154,5 @@ def _decode_pages(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: i
     pos = pos.masked_fill(~valid, 0)
     block = tables[row_t[:, None], (pos // block_size).clamp(max=width - 1)]
     slots = (block * block_size + pos % block_size).masked_fill(~valid, 0)
-    return DecodePages(torch.tensor(rows, dtype=torch.long, device=device), row_t.to(device), slots.to(device), valid.to(device))
+    return DecodePages(torch.tensor(rows, dtype=torch.long, device=device), row_t.to(device), slots.to(device), valid.to(device),
+                       block[:, ::block_size].contiguous().to(device), block_size)

@@ -3,7 +3,7 @@ the longest query or the longest context of a step, and no full q x L score matr
 
 * **Decode rows** (chunks of one new token) go in one batched pass, flash-decoding style: each
   context is cut into pages of whole KV blocks (about ``afd.kvcache.PAGE_TOKENS`` slots; only a sequence's last
-  page is partial), one batched matmul scores every page against its token's query, each page keeps
+  page is partial), gathered a block at a time, one batched matmul scores every page against its token's query, each page keeps
   its own softmax maximum and sum, and the pages of a token are merged exactly (log-sum-exp). Pages
   are taken ``WORKSPACE_BYTES`` at a time, so a step's decode workspace is bounded whatever the number
   of sequences or their contexts.
@@ -33,6 +33,15 @@ def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return torch.index_select(cache, 0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The slots of whole KV blocks: cache [slots, *rest] (slots a multiple of ``block_size``), blocks [p, b]
+    -> [p, b * block_size, *rest]. One row per block, not per slot: a block's slots are contiguous, and
+    ``index_select`` copies rows of ``block_size`` slots 2-3x faster here than single slots."""
+    rest = cache.shape[1:]
+    rows = torch.index_select(cache.view(-1, block_size * rest.numel()), 0, blocks.reshape(-1))
+    return rows.view(blocks.shape[0], blocks.shape[1] * block_size, *rest)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, pages: DecodePages,
                      scale: float, value_dim: int | None = None) -> torch.Tensor:
     """q [D, Hq, Dk] (one query per decode token); k_cache [slots, Hk, Dk]; v_cache [slots, Hk, Dv], or
@@ -47,9 +56,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     step = max(1, WORKSPACE_BYTES // per_page)
     m_all, l_all, o_all = [], [], []
     for a in range(0, pages.page_row.shape[0], step):
-        rows, slots, valid = pages.page_row[a : a + step], pages.page_slots[a : a + step], pages.page_valid[a : a + step]
-        keys = gather(k_cache, slots)  # [p, N, Hk, Dk]: the one copy of the context a step makes
-        values = keys[..., :dv] if v_cache is None else gather(v_cache, slots)  # [p, N, Hk, Dv]
+        rows, blocks, valid = pages.page_row[a : a + step], pages.page_blocks[a : a + step], pages.page_valid[a : a + step]
+        keys = gather_blocks(k_cache, blocks, pages.block_size)  # [p, N, Hk, Dk]: the one copy of the context a step makes
+        values = keys[..., :dv] if v_cache is None else gather_blocks(v_cache, blocks, pages.block_size)  # [p, N, Hk, Dv]
         if hk == 1:  # every head against one key (MLA's latent): plain batched matmuls, heads as rows
             scores = torch.bmm(q[rows], keys[:, :, 0].transpose(1, 2)).float().mul_(scale)[:, None]  # [p, 1, G, N]
         else:
