@@ -17,6 +17,8 @@ Faults (``--faults``, default all):
   attention-kill       SIGKILL of attention rank A-1, restarted (A = 1: its requests wait and resume; A > 1: they
                        move to the others, and the restart rejoins their agreed steps)
   attention-hang       SIGSTOP of attention rank A-1 (found hung by the FFN ranks after T, killed, restarted)
+  attention-kill@replacement  SIGKILL of FFN rank 1, then of attention rank A-1 while the replacement starts
+                       (the restart waits for the replacement to be back, then links to it)
 
 Reported per trial: failed requests, texts changed, the time from the fault to the next token of any
 stream, the longest stall of a stream, p99 inter-token latency (all tokens of the trial) against the
@@ -49,7 +51,7 @@ from afd.cli.common import BUILTIN_MODEL  # noqa: E402
 from afd.serving.spawn import ServerProcess  # noqa: E402
 
 FAULTS = ("kill", "hang", "kill@mid-combine", "hang@mid-combine", "kill@rebalance", "kill@replacement", "attention-kill",
-          "attention-hang")
+          "attention-hang", "attention-kill@replacement")
 
 
 def flags(hang_timeout: float, transport: str, attention_ranks: int) -> list[str]:
@@ -153,6 +155,10 @@ def run_trial(fault: str, seed: int, args, reference: dict, baseline_p99: float)
             kind = fault.split("@")[0]
             if fault in ("kill", "hang"):
                 os.kill(pid_of(s, "ffn rank 1"), signals[kind])
+            elif fault == "attention-kill@replacement":
+                os.kill(pid_of(s, "ffn rank 1"), signal.SIGKILL)
+                wait_for(lambda: pid_of(s, "ffn rank 1", "starting") is not None, 30)
+                os.kill(pid_of(s, f"attention rank {args.attention_ranks - 1}"), signal.SIGKILL)
             elif fault.startswith("attention-"):
                 os.kill(pid_of(s, f"attention rank {args.attention_ranks - 1}"), signals[fault.split("-")[1]])
             elif fault == "kill@rebalance":
@@ -180,8 +186,9 @@ def run_trial(fault: str, seed: int, args, reference: dict, baseline_p99: float)
         result["health"] = httpx.get(server.url + "/health", timeout=30).status_code
         result["ranks_lost"] = metric(server.url, "afd_ffn_ranks_lost_total")
         result["redispatched"] = metric(server.url, "afd_connector_redispatched_total")
-        back = "afd_replicas_restarted_total" if fault.startswith("attention-") else "afd_ffn_replacements_total"
-        result["replaced"] = wait_for(lambda: metric(server.url, back) >= 1, 120)
+        back = (["afd_replicas_restarted_total"] if fault.startswith("attention-") else []) + \
+            (["afd_ffn_replacements_total"] if not fault.startswith("attention-") or fault.endswith("@replacement") else [])
+        result["replaced"] = wait_for(lambda: all(metric(server.url, name) >= 1 for name in back), 120)
         rows_before = metric(server.url, "afd_ffn_rows_total")
         again, _ = load(server, args.streams, 8)
         result["after_ok"] = all(r["outcome"] == "done" for r in again.values()) and metric(server.url, "afd_ffn_rows_total") > rows_before

@@ -207,12 +207,16 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], eos_ids: frozenset
         if together:  # one draw for every row on the engine's stream
             for j, token in zip(together, draw(probs[together], torch.rand(len(together), generator=shared))):
                 tokens[sampled[j]] = token
-        for j, i in enumerate(sampled):  # each seeded request from its own seed per token
+        for j, i in enumerate(sampled):  # each seeded request from its own seed per token, over the row's support only
             r = rows[i]
             if r.generator is not None:
                 if r.params.seed is not None:  # a request's seed: one per token, so a resumed request draws on unchanged
                     r.generator.manual_seed(token_seed(r.params.seed, len(r.output_ids)))
-                tokens[i] = draw(probs[j : j + 1], torch.rand(1, generator=r.generator))[0]
+                # the exponential race (multinomial), not draw(): the inverse transform flipped a seeded stream
+                # between batch sizes (rounding moved a cumulative-sum boundary; tests/serving/test_replica_failover.py),
+                # and a seeded request's text must not depend on its batch
+                support = probs[j].nonzero().squeeze(1)
+                tokens[i] = int(support[torch.multinomial(probs[j, support], 1, generator=r.generator)])
     return tokens
 
 
@@ -220,7 +224,9 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
     """One token per row of probs [S, V] by inverse transform: the first token whose cumulative probability
     exceeds u [S] (uniform in [0, 1)) times the row's total. A token of probability 0 is never drawn (its
     interval is empty). One uniform per row: ~20x faster on CPU than ``torch.multinomial``, which draws an
-    exponential per vocabulary entry (5 ms for 32 rows of 4096 here)."""
+    exponential per vocabulary entry (5 ms for 32 rows of 4096 here). For the unseeded draws only: a
+    rounding change of a cumulative sum (logits differ in the last bits from batch to batch) can move the
+    token drawn, and a seeded request's text must not depend on its batch."""
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:].contiguous()
     picked = torch.searchsorted(cdf, u.to(cdf.dtype)[:, None] * total, side="right")
