@@ -17,9 +17,8 @@ Faults (``--faults``, default all):
   attention-kill       SIGKILL of attention rank A-1, restarted (A = 1: its requests wait and resume; A > 1: they
                        move to the others, and the restart rejoins their agreed steps)
   attention-hang       SIGSTOP of attention rank A-1 (found hung by the FFN ranks after T, killed, restarted)
-  attention-kill@replacement  SIGKILL of FFN rank 1, then of attention rank A-1 while the replacement starts.
-                       Not in the default list: it is not survived yet (the replacement waits for the dead
-                       attention rank's end of its shm link); ``--faults attention-kill@replacement`` runs it
+  attention-kill@replacement  SIGKILL of FFN rank 1, then of attention rank A-1 while the replacement starts
+                       (the replacement stops waiting for the dead rank's links; the restart links to it)
 
 Reported per trial: failed requests, texts changed, the time from the fault to the next token of any
 stream, the longest stall of a stream, p99 inter-token latency (all tokens of the trial) against the
@@ -52,8 +51,7 @@ from afd.cli.common import BUILTIN_MODEL  # noqa: E402
 from afd.serving.spawn import ServerProcess  # noqa: E402
 
 FAULTS = ("kill", "hang", "kill@mid-combine", "hang@mid-combine", "kill@rebalance", "kill@replacement", "attention-kill",
-          "attention-hang")
-KNOWN_FAILING = ("attention-kill@replacement",)  # not survived yet (docs/fault-tolerance.md, "Not built yet"); --faults runs it
+          "attention-hang", "attention-kill@replacement")
 
 
 def flags(hang_timeout: float, transport: str, attention_ranks: int) -> list[str]:
@@ -221,9 +219,9 @@ def main() -> int:
     p.add_argument("--out", help="write every trial's result here (JSON)")
     args = p.parse_args()
     faults = [f for f in args.faults.split(",") if f]
-    unknown = sorted(set(faults) - set(FAULTS) - set(KNOWN_FAILING))
+    unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
-        p.error(f"unknown faults {unknown}; choose from {', '.join(FAULTS + KNOWN_FAILING)}")
+        p.error(f"unknown faults {unknown}; choose from {', '.join(FAULTS)}")
     print(f"chaos: reference run (no fault), {args.streams} streams x {args.max_tokens} tokens", file=sys.stderr)
     with start(args.hang_timeout, args.transport, args.attention_ranks) as ref_server:
         reference, _ = load(ref_server, args.streams, args.max_tokens)

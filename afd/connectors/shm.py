@@ -36,6 +36,10 @@ _COUNT = struct.Struct("<Q")
 _FRAME = struct.Struct("<QQ")
 
 
+class _PeerDead(Exception):
+    """An attention peer was marked dead while this FFN rank waited for its end of a link."""
+
+
 def _tag(role: Role, index: int, incarnation: int = 0) -> str:
     return f"{'a' if role == Role.ATTENTION else 'f'}{index}" + (f"r{incarnation}" if incarnation else "")
 
@@ -65,6 +69,12 @@ def create_links(run_dir: Path, num_attention: int, num_ffn: int, num_slots: int
         for f in range(num_ffn) if ffn_ranks is None else ffn_ranks:
             for src, dst in (((Role.ATTENTION, a), (Role.FFN, f)), ((Role.FFN, f), (Role.ATTENTION, a))):
                 _make_link(_prefix(run_dir, src, dst, generation), num_slots, slot_bytes)
+
+
+def mark_attention_dead(run_dir: Path, index: int, incarnation: int) -> None:
+    """The launcher: attention rank ``index``'s ``incarnation`` is dead. An FFN rank still opening its links
+    (a replacement starting) stops waiting for that rank's end and leaves it to the restart's links."""
+    (Path(run_dir) / f"dead-{_tag(Role.ATTENTION, index, incarnation)}").touch()
 
 
 def create_attention_links(run_dir: Path, index: int, incarnation: int, ffn_generations: Sequence[int], num_slots: int,
@@ -125,12 +135,21 @@ class ShmMailbox(Mailbox):
         self._space_w: dict[int, int] = {}
         self._connected: set[int] = set()  # peers whose writer we have seen
         self._pending: int | None = None  # peer whose slot is held until release
+        self.skipped: set[int] = set()  # an FFN rank: attention peers that died before it linked (a restart links anew)
         for p in range(num_peers):  # every reader end first, then the writers (which need the peer's readers)
             self._open_readers(p, gen.get(p, 0))
         deadline = time.monotonic() + connect_timeout
         for p in range(num_peers):
-            self._open_writers(p, gen.get(p, 0), deadline)
-        self._fd_peer = {fd: p for p, fd in self._data_r.items()}
+            try:
+                self._open_writers(p, gen.get(p, 0), deadline)
+            except _PeerDead:
+                self.skipped.add(p)
+                self._silent_ok.add(p)  # not watched until its restart's links open (readmit)
+                for fds in (self._data_w, self._space_w):
+                    fd = fds.pop(p, None)
+                    if fd is not None:
+                        os.close(fd)
+        self._fd_peer = {fd: p for p, fd in self._data_r.items() if p not in self.skipped}
 
     def _paths(self, p: int, generation: int) -> tuple[Path, Path]:
         me, peer = (self.role, self.index, self._incarnation), (self.peer_role, p, self._peer_incarnation.get(p, 0))
@@ -176,12 +195,17 @@ class ShmMailbox(Mailbox):
         self._rejoin(peer)
 
     def _open_writer(self, path: str, peer: int, deadline: float) -> int:
+        dead = None
+        if self.role == Role.FFN:  # an attention peer the launcher marked dead never opens its end
+            dead = self._run_dir / f"dead-{_tag(Role.ATTENTION, peer, self._peer_incarnation.get(peer, 0))}"
         while True:
             try:
                 return os.open(path, os.O_WRONLY | os.O_NONBLOCK)
             except OSError as e:
                 if e.errno != errno.ENXIO:
                     raise
+            if dead is not None and dead.exists():
+                raise _PeerDead(peer)
             if time.monotonic() > deadline:
                 raise ConnectorTimeout(f"{self.name}: {self.peer_name(peer)} did not open its end of the shm link in time")
             time.sleep(0.002)

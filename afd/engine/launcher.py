@@ -351,6 +351,10 @@ class Cluster:
         store = self._steps_store or self._store  # where the step agreement's votes live
         if store is not None:
             store.set(DEAD_KEY, json.dumps(dead))
+        if self.run_dir is not None:  # shm: a replacement still opening its links stops waiting for this rank's end
+            from afd.connectors.shm import mark_attention_dead
+
+            mark_attention_dead(self.run_dir, rank.spec.index, rank.spec.incarnation)
         self.replica_losses.append({"rank": rank.spec.index, "pid": rank.proc.pid, "cause": cause, "at": time.time()})
         if any(not a.lost for a in self.attention_ranks()):
             log.warning("run %s: %s: its requests move to the other attention ranks; the steps go on without it", self.run_id, cause)

@@ -369,6 +369,8 @@ def _ffn_main(spec: RankSpec, conn, hub) -> None:
         worker.on_installed = lambda version: send(("placement_ready", version))
         worker.on_attention_silent = lambda rank, reason: send(("attention_silent", rank, reason))
         worker.attention_restart = spec.attention_restart
+        for a in getattr(mailbox, "skipped", ()):  # died before this rank linked: lost to it until its restart says HELLO
+            worker.lost_attention |= 1 << a
         worker.delay = env.ffn_delay()
         fault = env.fault()
         if (fault is not None and fault[0] in ("ffn-kill", "ffn-hang") and spec.index == spec.topology.num_ffn_ranks - 1
