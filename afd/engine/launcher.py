@@ -276,9 +276,7 @@ class Cluster:
             if self._restarts_replicas() and not self._closed:
                 log.warning("run %s: %s is not restarted again (%d restarts); the others serve without it", self.run_id,
                             lost.spec.name, lost.spec.incarnation)
-                for f in self.ranks:
-                    if f.spec.role == Role.FFN and not f.lost and not f.done:
-                        f.send(("attention_gone", lost.spec.index))
+                self._tell_ffn(("attention_gone", lost.spec.index))
             return
         why = self._restart_waits()
         if why:
@@ -287,6 +285,12 @@ class Cluster:
             self._unrestarted.append(lost)
             return
         self._restart_replica(lost)
+
+    def _tell_ffn(self, msg: tuple) -> None:
+        """Send every FFN rank this launcher runs, and that still serves, one command."""
+        for f in self.ranks:
+            if f.spec.role == Role.FFN and not f.lost and not f.done and f.proc.is_alive():
+                f.send(msg)
 
     def _restart_waiting(self) -> None:
         """Restarts that waited, once nothing holds them back."""
@@ -518,9 +522,7 @@ class Cluster:
     def _replacement_event(self, r: _Rank, msg: tuple) -> None:
         """A replacement's progress: weights loaded (attention ranks link to it), then every attention rank linked."""
         if msg[0] == "loaded" and r.spec.role == Role.ATTENTION:  # a restarted attention rank: the FFN ranks open its links
-            for f in self.ranks:
-                if f.spec.role == Role.FFN and not f.lost and not f.done:
-                    f.send(("attention_join", r.spec.index, r.spec.incarnation))
+            self._tell_ffn(("attention_join", r.spec.index, r.spec.incarnation))
             return
         if msg[0] == "loaded" and self.node_rank > 0:  # node 0's attention ranks link to it once they hear (the store)
             self._node_store.set(f"{JOIN_KEY}/f{r.spec.index}", str(r.spec.generation))
@@ -894,9 +896,7 @@ class Cluster:
                     if r.ready is not None and not r.lost and r.joined:
                         r.send(("shutdown",))
                     elif self._restarts_replicas():  # lost, or its restart was stopped above: no SHUTDOWN will come from it
-                        for f in self.ranks:
-                            if f.spec.role == Role.FFN and not f.lost and not f.done and f.proc.is_alive():
-                                f.send(("attention_gone", r.spec.index))
+                        self._tell_ffn(("attention_gone", r.spec.index))
                 except (OSError, BrokenPipeError):
                     pass
             # read last words while waiting: a rank blocked writing a large "bye" into a full pipe
