@@ -8,10 +8,11 @@ STAMP   := $(VENV)/.installed
 .PHONY: demo test setup clean
 
 # torch first, pinned: the CPU wheel on local disk (any other spec pulls a CUDA build)
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(wildcard afd/kernels/csrc/*)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m afd.kernels
 	touch $(STAMP)
 
 setup: $(STAMP)

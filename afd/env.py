@@ -19,6 +19,7 @@ VARIABLES: dict[str, str] = {
     "AFD_E2E_FFN_DEVICES": "tests/e2e: the FFN devices of every end-to-end case (default cpu,cpu)",
     "AFD_FFN_DELAY_MS": "testing/benchmarks only: FFN ranks sleep this long per computed batch (a slow FFN side)",
     "AFD_SEND_JITTER_MS": "testing only: every rank sleeps a random 0..N ms before each message it sends (arrival order varies)",
+    "AFD_KERNELS": "0: never build or use afd's native CPU kernels (afd/kernels), run the pure-torch paths (default 1)",
     "AFD_FAULT": "testing only: inject a protocol fault on attention rank 0's N-th work message "
     "(corrupt-header|wrong-layer|wrong-seq|truncate[@N], default N=3); engine-step@N: the serving loop fails at step N; "
     "ffn-kill@N / ffn-hang@N: the last FFN rank SIGKILLs / SIGSTOPs itself on receiving its N-th work part",
@@ -45,6 +46,14 @@ def num_threads() -> int | None:
 
 def run_id() -> str | None:
     return os.environ.get("AFD_RUN_ID") or None
+
+
+def kernels_enabled() -> bool:
+    """AFD_KERNELS (default on): whether afd builds and uses its native CPU kernels."""
+    value = os.environ.get("AFD_KERNELS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"AFD_KERNELS must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def io_log() -> bool:

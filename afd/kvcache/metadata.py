@@ -48,6 +48,9 @@ class DecodePages:
     page_valid [P, N] bool   the position is part of the context
     page_blocks [P, N / block_size] int64  the KV block of each run of ``block_size`` page positions (a page
                            is whole blocks: its keys are gathered a block at a time, not a slot at a time)
+    block_tables [D, W] int64  each decode token's KV blocks (0 past its table), for kernels that read the
+                           cache in place (afd/kernels)
+    context_lens [D] int64   each decode token's context length, its own position included
     """
 
     rows: torch.Tensor
@@ -55,6 +58,8 @@ class DecodePages:
     page_slots: torch.Tensor
     page_valid: torch.Tensor
     page_blocks: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
     block_size: int
 
     @property
@@ -148,11 +153,11 @@ def _decode_pages(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: i
             page_row.append(d)
             page_start.append(a)
         ends.append(c.end)
-    row_t = torch.tensor(page_row, dtype=torch.long)
+    row_t, ends_t = torch.tensor(page_row, dtype=torch.long), torch.tensor(ends, dtype=torch.long)
     pos = torch.tensor(page_start, dtype=torch.long)[:, None] + torch.arange(per_page)[None, :]  # [P, N]
-    valid = pos < torch.tensor(ends, dtype=torch.long)[row_t][:, None]
+    valid = pos < ends_t[row_t][:, None]
     pos = pos.masked_fill(~valid, 0)
     block = tables[row_t[:, None], (pos // block_size).clamp(max=width - 1)]
     slots = (block * block_size + pos % block_size).masked_fill(~valid, 0)
     return DecodePages(torch.tensor(rows, dtype=torch.long, device=device), row_t.to(device), slots.to(device), valid.to(device),
-                       block[:, ::block_size].contiguous().to(device), block_size)
+                       block[:, ::block_size].contiguous().to(device), tables.to(device), ends_t.to(device), block_size)

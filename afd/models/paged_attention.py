@@ -1,7 +1,10 @@
 """Attention over the paged KV cache whose memory and time follow the real work: nothing is padded to
 the longest query or the longest context of a step, and no full q x L score matrix is built.
 
-* **Decode rows** (chunks of one new token) go in one batched pass, flash-decoding style: each
+* **Decode rows** (chunks of one new token) on the CPU read their contexts in place from the cache, once,
+  in afd's native kernel (afd/kernels: a block of keys scored and folded into an online softmax while it
+  is in cache; no copy of the context). Elsewhere, or where the kernel is off or cannot be built, they go
+  in one batched pass of torch ops (:func:`decode_attention_reference`), flash-decoding style: each
   context is cut into pages of whole KV blocks (about ``afd.kvcache.PAGE_TOKENS`` slots; only a sequence's last
   page is partial), gathered a block at a time, one batched matmul scores every page against its token's query, each page keeps
   its own softmax maximum and sum, and the pages of a token are merged exactly (log-sum-exp). Pages
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from afd.kernels import ops as native_ops
 from afd.kvcache import DecodePages
 
 #: the most bytes one attention op's temporaries take (scores of a prefill tile; a group of decode pages)
@@ -45,7 +49,21 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) ->
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, pages: DecodePages,
                      scale: float, value_dim: int | None = None) -> torch.Tensor:
     """q [D, Hq, Dk] (one query per decode token); k_cache [slots, Hk, Dk]; v_cache [slots, Hk, Dv], or
-    None when the values are the first ``value_dim`` channels of the keys (MLA's latent). -> [D, Hq, Dv]."""
+    None when the values are the first ``value_dim`` channels of the keys (MLA's latent). -> [D, Hq, Dv].
+    The native kernel where it applies (CPU tensors of one dtype, contiguous caches), else the reference."""
+    kernels = native_ops() if q.device.type == "cpu" else None
+    if (kernels is not None and k_cache.dtype == q.dtype and k_cache.is_contiguous()
+            and (v_cache is None or (v_cache.dtype == q.dtype and v_cache.is_contiguous()))):
+        empty = k_cache.new_empty(0)
+        return kernels.paged_decode_attention(q.contiguous(), k_cache, empty if v_cache is None else v_cache,
+                                              pages.block_tables, pages.context_lens, pages.block_size, scale, value_dim or 0)
+    return decode_attention_reference(q, k_cache, v_cache, pages, scale, value_dim)
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, pages: DecodePages,
+                               scale: float, value_dim: int | None = None) -> torch.Tensor:
+    """:func:`decode_attention` in torch ops: contexts gathered a group of pages at a time, scored by batched
+    matmuls in q's dtype, softmax statistics in fp32, the pages of a token merged by log-sum-exp."""
     num, hq, dk = q.shape
     hk = k_cache.shape[1]
     g = hq // hk

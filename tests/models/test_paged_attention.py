@@ -9,6 +9,7 @@ import torch
 
 from afd.config import CacheConfig
 from afd.engine.runner import ModelRunner
+from afd.kernels import ops as native_ops
 from afd.kvcache import BlockManager, SeqChunk, build_attention_metadata
 from afd.models import load_model
 from afd.models import paged_attention as pa
@@ -36,31 +37,69 @@ def cache_and_tables(contexts: list[int], hk: int, dk: int, dv: int, seed: int =
     return torch.randn(slots, hk, dk, generator=gen), torch.randn(slots, hk, dv, generator=gen), tables
 
 
+DECODE = {"kernel": pa.decode_attention, "reference": pa.decode_attention_reference}
+
+
+def test_the_native_decode_kernel_is_built_here():
+    """CI builds and runs the C++ kernel: a machine where it silently fell back would test only the reference."""
+    assert native_ops() is not None, "afd/kernels did not build (see the warning in the log); AFD_KERNELS=0 turns it off"
+
+
+@pytest.mark.parametrize("impl", DECODE)
 @pytest.mark.parametrize("hq, hk", [(4, 4), (8, 2), (6, 1)])
-@pytest.mark.parametrize("workspace", [pa.WORKSPACE_BYTES, 4096])  # 4 KiB: many page groups
-def test_decode_pages_equal_the_reference(monkeypatch, hq, hk, workspace):
+@pytest.mark.parametrize("workspace", [pa.WORKSPACE_BYTES, 4096])  # 4 KiB: many page groups (the reference)
+def test_decode_pages_equal_the_reference(monkeypatch, impl, hq, hk, workspace):
     monkeypatch.setattr(pa, "WORKSPACE_BYTES", workspace)
     contexts = [1, 5, 37, 130, 300]
     k_cache, v_cache, tables = cache_and_tables(contexts, hk, 16, 8)
     chunks = [SeqChunk(t, n - 1, 1) for t, n in zip(tables, contexts)]
     meta = build_attention_metadata(chunks, BS, page_tokens=8)
     q = torch.randn(len(contexts), hq, 16)
-    got = pa.decode_attention(q, k_cache, v_cache, meta.decode, 0.3)
+    got = DECODE[impl](q, k_cache, v_cache, meta.decode, 0.3)
     for i, (c, n) in enumerate(zip(chunks, contexts)):
         s = build_attention_metadata([SeqChunk(c.block_table, 0, n)], BS).prefills[0].slots if n > 1 else torch.tensor([c.block_table[0] * BS])
         want = reference(q[i : i + 1], k_cache[s], v_cache[s], n - 1, 0.3)
         torch.testing.assert_close(got[i : i + 1].double(), want, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_values_may_be_the_keys_leading_channels():
+@pytest.mark.parametrize("impl", DECODE)
+def test_decode_values_may_be_the_keys_leading_channels(impl):
     """MLA: one latent [R + dr] per token is both the key and (its first R channels) the value."""
     contexts = [3, 50]
     k_cache, _, tables = cache_and_tables(contexts, 1, 12, 1)
     meta = build_attention_metadata([SeqChunk(t, n - 1, 1) for t, n in zip(tables, contexts)], BS, page_tokens=8)
     q = torch.randn(2, 5, 12)
-    got = pa.decode_attention(q, k_cache, None, meta.decode, 0.5, value_dim=8)
-    want = pa.decode_attention(q, k_cache, k_cache[..., :8].contiguous(), meta.decode, 0.5)
+    got = DECODE[impl](q, k_cache, None, meta.decode, 0.5, value_dim=8)
+    want = pa.decode_attention_reference(q, k_cache, k_cache[..., :8].contiguous(), meta.decode, 0.5)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kernel_in_half_precision_is_as_close_as_the_reference(dtype):
+    """Half-precision caches: the kernel (fp32 sums) is at least as close to the float64 answer as the
+    torch path (matmuls in the input dtype), within twice its error (research/parity.md, rule 4)."""
+    contexts = [2, 17, 64, 200]
+    k_cache, v_cache, tables = cache_and_tables(contexts, 2, 32, 16, seed=3)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    meta = build_attention_metadata([SeqChunk(t, n - 1, 1) for t, n in zip(tables, contexts)], BS)
+    q = torch.randn(len(contexts), 4, 32).to(dtype)
+    want = torch.cat([reference(q[i : i + 1], k_cache[s], v_cache[s], n - 1, 0.2) for i, (n, s) in enumerate(
+        (n, build_attention_metadata([SeqChunk(t, 0, n)], BS).prefills[0].slots) for t, n in zip(tables, contexts))])
+    got = pa.decode_attention(q, k_cache, v_cache, meta.decode, 0.2)
+    ref = pa.decode_attention_reference(q, k_cache, v_cache, meta.decode, 0.2)
+    assert got.dtype == dtype
+    kernel_err, torch_err = (x.double().sub(want).abs().max().item() for x in (got, ref))
+    assert kernel_err <= 2 * torch_err, (kernel_err, torch_err)
+
+
+def test_the_kernel_refuses_a_block_outside_the_cache():
+    """A corrupt block table must be an error naming the token, not a read of another process's memory."""
+    k_cache, v_cache, tables = cache_and_tables([9], 1, 8, 8)
+    meta = build_attention_metadata([SeqChunk(tables[0], 8, 1)], BS)
+    bad = meta.decode.block_tables.clone()
+    bad[0, 1] = k_cache.shape[0] // BS  # one past the last block
+    with pytest.raises(RuntimeError, match="decode token 0: block .* outside the cache"):
+        native_ops().paged_decode_attention(torch.randn(1, 2, 8), k_cache, v_cache, bad, meta.decode.context_lens, BS, 0.5, 0)
 
 
 @pytest.mark.parametrize("hq, hk", [(4, 4), (8, 2), (6, 1)])

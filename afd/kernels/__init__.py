@@ -1,0 +1,61 @@
+"""Native CPU kernels, written in this package's own C++ (``csrc/``) and built on this machine on first use.
+
+Each op has a pure-torch twin (the reference its tests compare against, and the path that runs where the
+kernels are off or cannot be built). Today: :func:`paged_decode_attention`, decode attention read in place
+from the paged KV cache (afd/models/paged_attention.py says when it is used).
+
+The build is torch's own extension builder (``torch.utils.cpp_extension.load``: the machine's C++ compiler
+and ninja), keyed by a hash of the sources and flags, under torch's extension cache
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``): the first process on a machine pays
+~30-60 s, concurrent processes wait for that one build, later ones load the library in milliseconds.
+``make setup`` builds it, so a server's first start does not. ``AFD_KERNELS=0`` turns the kernels off;
+a build that fails is logged once as a warning and afd runs the pure-torch paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+from pathlib import Path
+from types import ModuleType
+
+from afd import env
+
+log = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).parent / "csrc" / "paged_decode.cpp",)
+#: -march=native: the library is built on the machine that runs it; OpenMP's simd pragmas vectorize the
+#: reductions without -ffast-math (the order of a dot product's sum changes, nothing else)
+CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")
+
+
+@functools.cache
+def ops() -> ModuleType | None:
+    """The compiled kernels, or None where they are off (``AFD_KERNELS=0``) or could not be built."""
+    if not env.kernels_enabled():
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        digest = hashlib.sha256()
+        for source in SOURCES:
+            digest.update(source.read_bytes())
+        digest.update(" ".join((*CFLAGS, platform.machine())).encode())
+        name = f"afd_kernels_{digest.hexdigest()[:12]}"
+        log.debug("loading afd's CPU kernels (%s; built once per version and machine)", name)
+        return cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS), verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a compile error: the pure-torch paths still serve
+        log.warning("afd's CPU kernels could not be built, so the pure-torch paths run (slower decode attention): %s",
+                    str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+        return None
+
+
+def main() -> int:
+    """``python -m afd.kernels``: build (or find) the kernels now, and say which (``make setup`` runs it)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = ops()
+    print(f"afd kernels: {built.__name__} at {built.__file__}" if built is not None
+          else "afd kernels: not built (see the warning above); the pure-torch paths will run")
+    return 0

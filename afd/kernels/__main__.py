@@ -1,0 +1,5 @@
+import sys
+
+from afd.kernels import main
+
+sys.exit(main())
