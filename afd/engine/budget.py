@@ -15,7 +15,8 @@ bytes of temporaries (beyond the weights and the KV cache):
   with the sampler's copies;
 * the attention workspace: per (token, key) at the longest context, fp32 scores per head and a decode
   token's gathered keys and values, but never above three ``WORKSPACE_BYTES`` -- every attention op is
-  tiled to ``afd.models.paged_attention.WORKSPACE_BYTES``.
+  tiled to ``afd.models.paged_attention.WORKSPACE_BYTES``. The gathered keys are the torch path's; on the
+  CPU the native decode kernel (afd/kernels) reads them in place, so there the bound is looser, never short.
 
 Nothing in a step is padded to its longest query or context (afd/models/paged_attention.py), so no
 term grows with S x L. ``--max-step-memory`` caps that sum (default: as much as the KV cache, between a

@@ -1,8 +1,12 @@
 """Native CPU kernels, written in this package's own C++ (``csrc/``) and built on this machine on first use.
 
 Each op has a pure-torch twin (the reference its tests compare against, and the path that runs where the
-kernels are off or cannot be built). Today: :func:`paged_decode_attention`, decode attention read in place
-from the paged KV cache (afd/models/paged_attention.py says when it is used).
+kernels are off or cannot be built). Today:
+
+* ``paged_decode_attention``: decode attention read in place from the paged KV cache
+  (afd/models/paged_attention.py says when it is used);
+* ``moe_experts``: the routed experts a process holds, the per-expert loop of
+  ``GroupedExperts.forward`` (afd/models/layers.py) in one call, bit for bit the same ops.
 
 The build is torch's own extension builder (``torch.utils.cpp_extension.load``: the machine's C++ compiler
 and ninja), keyed by a hash of the sources and flags, under torch's extension cache
@@ -25,7 +29,7 @@ from afd import env
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "paged_decode.cpp",)
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("ops.cpp", "paged_decode.cpp", "moe_experts.cpp"))
 #: -march=native: the library is built on the machine that runs it; OpenMP's simd pragmas vectorize the
 #: reductions without -ffast-math (the order of a dot product's sum changes, nothing else)
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")
@@ -47,8 +51,10 @@ def ops() -> ModuleType | None:
         log.debug("loading afd's CPU kernels (%s; built once per version and machine)", name)
         return cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a compile error: the pure-torch paths still serve
-        log.warning("afd's CPU kernels could not be built, so the pure-torch paths run (slower decode attention): %s",
-                    str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        errors = [line for line in lines if "error" in line.lower()]  # the compiler's first complaint, if it was one
+        log.warning("afd's CPU kernels could not be built, so the pure-torch paths run (slower decode attention and "
+                    "experts): %s", errors[0] if errors else lines[-1])
         return None
 
 

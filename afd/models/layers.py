@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from afd.config import RopeConfig, yarn_mscale
+from afd.kernels import ops as native_ops
 
 
 class RMSNorm(nn.Module):
@@ -154,9 +155,15 @@ class GroupedExperts(nn.Module):
         ids not held here (or -1) contribute nothing.
         """
         num_tokens, k = topk_ids.shape
-        out = x.new_zeros(num_tokens * k, x.shape[-1])  # one row per (token, slot)
         ids = topk_ids.flatten()
         local = torch.where(ids >= 0, self._global_to_local.to(x.device)[ids.clamp(min=0)], -1)  # [T*k]; -1: not here
+        kernels = native_ops() if x.device.type == "cpu" and self.fp8_block is None else None
+        if kernels is not None:  # the loop below in one C++ call: the same ops, without the interpreter per op
+            out, counts = kernels.moe_experts(x, local.view(num_tokens, k), topk_weights, self.gate_up_proj, self.down_proj)
+            for e, n in enumerate(counts.tolist()):
+                self.tokens_routed[e] += n
+            return out
+        out = x.new_zeros(num_tokens * k, x.shape[-1])  # one row per (token, slot)
         held = local >= 0
         if held.any():
             order = torch.argsort(local.masked_fill(~held, len(self.expert_ids)), stable=True)

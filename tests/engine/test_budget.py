@@ -10,6 +10,7 @@ from afd.config import CacheConfig
 from afd.engine.budget import StepBudget, engine_limits
 from afd.engine.runner import ModelRunner
 from afd.kvcache import BlockManager, SeqChunk
+from afd.models import paged_attention
 from afd.models.hf_config import parse_hf_config
 from afd.models.synthetic import deepseek_v2_lite_shaped, random_model
 
@@ -44,8 +45,13 @@ SHAPES = {  # name -> (chunks as (cached, new) per sequence)
 }
 
 
+@pytest.mark.parametrize("decode", ["native kernel", "torch ops"])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_the_model_bounds_what_a_step_allocates(name):
+def test_the_model_bounds_what_a_step_allocates(monkeypatch, name, decode):
+    """The bound holds on both decode paths and is tight on the torch one, which gathers every context (the
+    native kernel reads the cache in place and allocates next to nothing: the model keeps the worst case)."""
+    if decode == "torch ops":
+        monkeypatch.setattr(paged_attention, "native_ops", lambda: None)
     raw = small_v2_lite()
     config = parse_hf_config(raw)
     model = random_model(raw, torch.float32)
@@ -59,7 +65,8 @@ def test_the_model_bounds_what_a_step_allocates(name):
     budget = StepBudget.for_model(config, torch.float32, max_model_len=2048, max_num_seqs=len(shape))
     bound = budget.bytes_for(tokens)
     assert measured <= bound, f"{name}: a step allocated {measured >> 20} MiB, the model says at most {bound >> 20} MiB"
-    assert bound <= 6 * measured + (32 << 20), f"{name}: the model's {bound >> 20} MiB is far from the {measured >> 20} MiB used"
+    if decode == "torch ops":
+        assert bound <= 6 * measured + (32 << 20), f"{name}: the model's {bound >> 20} MiB is far from the {measured >> 20} MiB used"
 
 
 def test_flags_resolve_and_a_token_cap_beyond_the_step_memory_is_refused():

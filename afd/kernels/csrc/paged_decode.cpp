@@ -17,8 +17,8 @@
 //   returns      [D, Hq, Dv]          in q's dtype; scores, softmax and sums in float32
 // Query head h reads key head h / (Hq / Hk) (grouped heads; MLA's absorbed form is Hk = 1).
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
@@ -89,14 +89,14 @@ void decode_one(const T* q,             // [G, Dk]: the query heads sharing key 
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                                     const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                     const at::Tensor& block_tables, const at::Tensor& context_lens,
                                      int64_t block_size, double scale, int64_t value_dim) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention runs on the CPU, got q on ", q.device());
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3, "q must be [D, Hq, Dk] and k_cache [slots, Hk, Dk]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous(), "q and k_cache must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "k_cache dtype ", k_cache.scalar_type(), " != q dtype ", q.scalar_type());
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous(), "block_tables and context_lens must be contiguous");
   const int64_t d = q.size(0), hq = q.size(1), dk = q.size(2), hk = k_cache.size(1);
@@ -125,7 +125,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       TORCH_CHECK(block >= 0 && block < num_blocks, "decode token ", i, ": block ", block, " is outside the cache's ", num_blocks);
     }
   }
-  auto out = torch::empty({d, hq, dv}, q.options());
+  auto out = at::empty({d, hq, dv}, q.options());
   const int64_t g = hq / hk;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -143,9 +143,4 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     });
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention read in place from the paged KV cache (see paged_decode.cpp)");
 }

@@ -1,0 +1,15 @@
+// The Python module of afd's CPU kernels: one binding per op, each op in a file of its own.
+#include <torch/extension.h>
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                                  double scale, int64_t value_dim);
+
+std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Tensor& local_ids, const at::Tensor& weights,
+                                               const at::Tensor& gate_up, const at::Tensor& down);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention read in place from the paged KV cache (paged_decode.cpp)");
+  m.def("moe_experts", &moe_experts, "the routed experts held here, one GEMM pair per expert (moe_experts.cpp)");
+}
