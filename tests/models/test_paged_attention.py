@@ -74,6 +74,21 @@ def test_decode_values_may_be_the_keys_leading_channels(impl):
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("impl", DECODE)
+def test_decode_at_deepseek_v2_lite_shapes(impl):
+    """MLA's absorbed decode as V2-Lite runs it: 16 heads on one 576-wide latent (512 values), contexts that
+    end inside a block and past a 4-head by 4-row tile (the kernel's register tiles and their tails)."""
+    contexts = [1, 6, 71]
+    k_cache, _, tables = cache_and_tables(contexts, 1, 576, 1, seed=5)
+    meta = build_attention_metadata([SeqChunk(t, n - 1, 1) for t, n in zip(tables, contexts)], BS)
+    q = torch.randn(len(contexts), 16, 576)
+    got = DECODE[impl](q, k_cache, None, meta.decode, 576**-0.5, value_dim=512)
+    for i, (t, n) in enumerate(zip(tables, contexts)):
+        s = build_attention_metadata([SeqChunk(t, 0, n)], BS).prefills[0].slots if n > 1 else torch.tensor([t[0] * BS])
+        want = reference(q[i : i + 1], k_cache[s], k_cache[s][..., :512], n - 1, 576**-0.5)
+        torch.testing.assert_close(got[i : i + 1].double(), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_kernel_in_half_precision_is_as_close_as_the_reference(dtype):
     """Half-precision caches: the kernel (fp32 sums) is at least as close to the float64 answer as the
