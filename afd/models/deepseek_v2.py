@@ -66,9 +66,10 @@ class MLAttention(nn.Module):
         out = x.new_empty(t, nh, mla.v_head_dim)  # [T, nh, dv]
         if meta.decode is not None:  # absorbed: one latent key and value shared by every head
             rows = meta.decode.rows
-            query = torch.cat((torch.einsum("thd,hdr->thr", q_nope[rows], w_uk), q_pe[rows]), dim=-1)  # [D, nh, R + dr]
-            out_latent = decode_attention(query, cache[:, None, :], None, meta.decode, self.scale, mla.kv_lora_rank)  # [D, nh, R]
-            out[rows] = torch.einsum("thr,hvr->thv", out_latent, w_uv).to(out.dtype)
+            # per head: q_nope W_UK, as one bmm over heads (an einsum adds permuted copies: ~40 % slower here)
+            query = torch.cat((torch.bmm(q_nope[rows].transpose(0, 1), w_uk), q_pe[rows].transpose(0, 1)), dim=-1)  # [nh, D, R + dr]
+            out_latent = decode_attention(query.transpose(0, 1), cache[:, None, :], None, meta.decode, self.scale, mla.kv_lora_rank)  # [D, nh, R]
+            out[rows] = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).to(out.dtype)  # [D, nh, dv]
         for chunk in meta.prefills:
             rows = slice(chunk.row, chunk.row + chunk.length)
             ctx = gather(cache, chunk.slots)  # [L, R + dr]
