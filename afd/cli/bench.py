@@ -10,6 +10,7 @@ synthetic model is written as an fp8 block-scaled checkpoint and loaded through 
 ``afd bench serve``: a load generator against ``afd serve`` (:mod:`afd.cli.bench_serve`).
 ``afd bench sampler``: one step's sampling per option mix (:mod:`afd.cli.bench_sampler`).
 ``afd bench mixed``: long prompts beside decoding sequences: TTFT, decode tok/s, peak RSS (:mod:`afd.cli.bench_mixed`).
+``afd bench kernels``: the native CPU kernels against the torch paths they replace (:mod:`afd.cli.bench_kernels`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--device", default="cpu", help="cpu (default), cuda:N or npu:N")
     g.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
     g.set_defaults(func=run_generate)
-    from afd.cli import bench_connector, bench_costs, bench_mixed, bench_pipeline, bench_sampler, bench_serve
+    from afd.cli import bench_connector, bench_costs, bench_kernels, bench_mixed, bench_pipeline, bench_sampler, bench_serve
 
     bench_connector.add_parser(bsub)
     bench_pipeline.add_parser(bsub)
@@ -61,6 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench_serve.add_parser(bsub)
     bench_sampler.add_parser(bsub)
     bench_mixed.add_parser(bsub)
+    bench_kernels.add_parser(bsub)
 
 
 def _load(args: argparse.Namespace):

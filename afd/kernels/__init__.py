@@ -9,9 +9,9 @@ kernels are off or cannot be built). Today:
   ``GroupedExperts.forward`` (afd/models/layers.py) in one call, bit for bit the same ops.
 
 The build is torch's own extension builder (``torch.utils.cpp_extension.load``: the machine's C++ compiler
-and ninja), keyed by a hash of the sources and flags, under torch's extension cache
-(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``): the first process on a machine pays
-~30-60 s, concurrent processes wait for that one build, later ones load the library in milliseconds.
+and ninja), keyed by a hash of the sources, the flags and the CPU's features, under torch's extension
+cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``): the first process on a machine
+pays ~40-60 s, concurrent processes wait for that one build, later ones load the library in ~0.2 s.
 ``make setup`` builds it, so a server's first start does not. ``AFD_KERNELS=0`` turns the kernels off;
 a build that fails is logged once as a warning and afd runs the pure-torch paths.
 """
@@ -31,8 +31,19 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("ops.cpp", "paged_decode.cpp", "moe_experts.cpp"))
 #: -march=native: the library is built on the machine that runs it; OpenMP's simd pragmas vectorize the
-#: reductions without -ffast-math (the order of a dot product's sum changes, nothing else)
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")
+#: reductions without -ffast-math (the order of a dot product's sum changes, nothing else); -fopenmp makes
+#: at::parallel_for use torch's threads (without it the header-inlined loop runs on one)
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux): a library built with -march=native on one CPU is never loaded on
+    another (a home directory shared between machines would otherwise hand an AVX-512 build to an AVX2 CPU)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
 
 
 @functools.cache
@@ -46,10 +57,11 @@ def ops() -> ModuleType | None:
         digest = hashlib.sha256()
         for source in SOURCES:
             digest.update(source.read_bytes())
-        digest.update(" ".join((*CFLAGS, platform.machine())).encode())
+        digest.update(" ".join((*CFLAGS, platform.machine(), _cpu_flags())).encode())
         name = f"afd_kernels_{digest.hexdigest()[:12]}"
         log.debug("loading afd's CPU kernels (%s; built once per version and machine)", name)
-        return cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS), verbose=False)
+        return cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                                  extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a compile error: the pure-torch paths still serve
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         errors = [line for line in lines if "error" in line.lower()]  # the compiler's first complaint, if it was one

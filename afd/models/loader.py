@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from afd.config import ModelConfig
+from afd.kernels import ops as native_ops
 from afd.models.base import MoEModel
 from afd.models.checkpoint import CheckpointError, CheckpointReader
 from afd.models.hf_config import load_model_config, read_config_json
@@ -271,6 +272,8 @@ def load_model(
     )
     log.info("loaded %d tensors (%.1f MB) from %s as %s%s", len(plan), report.bytes_read / 1e6, model_dir, target,
              f", {len(quantized)} fp8 weights ({fp8})" if quantized else "")
+    if torch.device(device).type == "cpu":
+        native_ops()  # built (or found) now, while the process starts, never at a server's first request
     return model, report
 
 

@@ -178,6 +178,16 @@ def test_bench_sampler_times_every_mix(tmp_path):
     assert set(data) == {f"300 {m}" for m in MIXES} and all(v > 0 for v in data.values())
 
 
+def test_bench_kernels_times_each_native_kernel_against_its_torch_path(tmp_path):
+    out = tmp_path / "kernels.json"
+    res = afd("bench", "kernels", "--decode-tokens", "2", "--context", "40", "--heads", "4", "--tokens", "3", "--runs", "2",
+              "--json", str(out))
+    assert "summary:" in res.stdout
+    data = json.loads(out.read_text())
+    assert set(data) == {"decode attention D=2 L=40", "experts T=3"}
+    assert all(v["native_ms"] > 0 and v["torch_ms"] > 0 for v in data.values())
+
+
 def test_bench_pipeline_counts_aggregation_across_attention_ranks(tmp_path):
     """--attention-ranks: the same load over 1 and 2 attention ranks; the FFN batches of A=2 hold two parts
     and keep their expert GEMM rows."""

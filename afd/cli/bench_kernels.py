@@ -1,0 +1,116 @@
+"""``afd bench kernels``: each native CPU kernel (afd/kernels) against the torch path it replaces, on the same
+inputs in one process, alternating the two: medians of ``--runs`` and their ratio.
+
+* decode attention: D decode tokens, each with a context of L positions scattered over a paged cache, MLA's
+  absorbed shapes by default (16 heads on one 576-wide latent, 512 values: DeepSeek-V2-Lite's);
+* the routed experts: T tokens, top-k of E experts (V2-Lite's 64 of 2048 x 1408 by default is large; the
+  default here is the vLLM-comparison model's 8 experts of 256 x 192, where the loop's overhead shows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from afd.cli.common import print_table
+
+
+def add_parser(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("kernels", help="native CPU kernels against the torch paths they replace")
+    p.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--context", type=int, nargs="+", default=[80, 1024])
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32], help="experts: tokens per call")
+    p.add_argument("--experts", type=int, nargs=4, default=[8, 2, 256, 192], metavar=("E", "K", "H", "I"),
+                   help="experts, top-k, hidden, intermediate")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice)")
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
+    p.set_defaults(func=run)
+
+
+def _alternate(a, b, runs: int) -> tuple[float, float]:
+    """Median seconds of a() and b(), run in turn (this machine's drift hits both alike)."""
+    a(), b()
+    ta, tb = [], []
+    for _ in range(runs):
+        for f, times in ((a, ta), (b, tb)):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def _decode_case(d: int, context: int, heads: int, dtype: torch.dtype, runs: int):
+    from afd.kvcache import BlockManager, SeqChunk, build_attention_metadata
+    from afd.models import paged_attention as pa
+
+    block_size = 16
+    num_blocks = 4 * d * -(-context // block_size)  # a cache 4x the contexts, as a serving pool is larger than a step
+    blocks = BlockManager(num_blocks, block_size)
+    tables = [blocks.ensure(i, context) for i in range(d)]
+    cache = torch.randn(num_blocks * block_size, 1, 576).to(dtype)
+    meta = build_attention_metadata([SeqChunk(t, context - 1, 1) for t in tables], block_size)
+    q = torch.randn(d, heads, 576).to(dtype)
+    return _alternate(lambda: pa.decode_attention(q, cache, None, meta.decode, 576**-0.5, 512),
+                      lambda: pa.decode_attention_reference(q, cache, None, meta.decode, 576**-0.5, 512), runs)
+
+
+def _experts_case(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, runs: int):
+    from afd.models import layers
+
+    experts = layers.GroupedExperts(e, h, i, range(e))
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.05)
+        experts.down_proj.normal_(0, 0.05)
+    experts = experts.to(dtype)
+    x = torch.randn(t, h).to(dtype)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    weights = torch.rand(t, k)
+    native = layers.native_ops
+
+    def python_loop():
+        layers.native_ops = lambda: None  # this benchmark's own process: the loop as it runs without the kernels
+        try:
+            experts(x, ids, weights)
+        finally:
+            layers.native_ops = native
+
+    return _alternate(lambda: experts(x, ids, weights), python_loop, runs)
+
+
+def run(args: argparse.Namespace) -> int:
+    from afd.kernels import ops
+
+    if ops() is None:
+        print("afd bench kernels: the native kernels are not built here (AFD_KERNELS=0, or see the warning above)")
+        return 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    rows, results = [("op", "shape", "native ms", "torch ms", "torch / native")], {}
+    for context in args.context:
+        for d in args.decode_tokens:
+            native, ref = _decode_case(d, context, args.heads, dtype, args.runs)
+            results[f"decode attention D={d} L={context}"] = {"native_ms": native * 1e3, "torch_ms": ref * 1e3}
+            rows.append(("decode attention", f"{d} tokens x {context} ctx, {args.heads} heads x 576", f"{native * 1e3:.3f}",
+                         f"{ref * 1e3:.3f}", f"{ref / native:.2f}x"))
+    e, k, h, i = args.experts
+    for t in args.tokens:
+        native, ref = _experts_case(t, e, k, h, i, dtype, args.runs)
+        results[f"experts T={t}"] = {"native_ms": native * 1e3, "torch_ms": ref * 1e3}
+        rows.append(("experts", f"{t} tokens, top-{k} of {e} ({h} x {i})", f"{native * 1e3:.3f}", f"{ref * 1e3:.3f}",
+                     f"{ref / native:.2f}x"))
+    print_table(rows)
+    speedups = [r["torch_ms"] / r["native_ms"] for r in results.values()]
+    print(f"summary: {args.dtype}, torch threads {torch.get_num_threads()}, medians of {args.runs} alternating runs: "
+          f"native kernels {min(speedups):.2f}x-{max(speedups):.2f}x the torch paths")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=1))
+    return 0
