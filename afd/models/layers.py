@@ -154,15 +154,23 @@ class GroupedExperts(nn.Module):
         Returns [T, H] = sum over held experts e in topk of weight * expert_e(x);
         ids not held here (or -1) contribute nothing.
         """
-        num_tokens, k = topk_ids.shape
-        ids = topk_ids.flatten()
-        local = torch.where(ids >= 0, self._global_to_local.to(x.device)[ids.clamp(min=0)], -1)  # [T*k]; -1: not here
         kernels = native_ops() if x.device.type == "cpu" and self.fp8_block is None else None
-        if kernels is not None:  # the loop below in one C++ call: the same ops, without the interpreter per op
-            out, counts = kernels.moe_experts(x, local.view(num_tokens, k), topk_weights, self.gate_up_proj, self.down_proj)
-            for e, n in enumerate(counts.tolist()):
-                self.tokens_routed[e] += n
-            return out
+        if kernels is None:
+            return self.reference(x, topk_ids, topk_weights)
+        # the loop of :meth:`reference` in one C++ call: the same ops, without the interpreter per op
+        out, counts = kernels.moe_experts(x, self._local_ids(topk_ids), topk_weights, self.gate_up_proj, self.down_proj)
+        for e, n in enumerate(counts.tolist()):
+            self.tokens_routed[e] += n
+        return out
+
+    def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """[T, k] logical ids -> [T, k] local indices, -1 for a slot not held here (or routed elsewhere: -1)."""
+        return torch.where(topk_ids >= 0, self._global_to_local.to(topk_ids.device)[topk_ids.clamp(min=0)], -1)
+
+    def reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` as a Python loop over the held experts (every device; fp8 weights dequantised per expert)."""
+        num_tokens, k = topk_ids.shape
+        local = self._local_ids(topk_ids).flatten()  # [T*k]
         out = x.new_zeros(num_tokens * k, x.shape[-1])  # one row per (token, slot)
         held = local >= 0
         if held.any():
