@@ -6,7 +6,9 @@ kernels are off or cannot be built). Today:
 * ``paged_decode_attention``: decode attention read in place from the paged KV cache
   (afd/models/paged_attention.py says when it is used);
 * ``moe_experts``: the routed experts a process holds, the per-expert loop of
-  ``GroupedExperts.forward`` (afd/models/layers.py) in one call, bit for bit the same ops.
+  ``GroupedExperts.forward`` (afd/models/layers.py) in one call, bit for bit the same ops;
+* ``rms_norm``, ``rotary``: ``RMSNorm`` and ``RotaryEmbedding.apply`` (afd/models/layers.py) in one pass
+  over each row, with their dtype rules.
 
 The build is torch's own extension builder (``torch.utils.cpp_extension.load``: the machine's C++ compiler
 and ninja), keyed by a hash of the sources, the flags and the CPU's features, under torch's extension
@@ -29,7 +31,7 @@ from afd import env
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("ops.cpp", "paged_decode.cpp", "moe_experts.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("ops.cpp", "paged_decode.cpp", "moe_experts.cpp", "norm_rope.cpp"))
 #: -march=native: the library is built on the machine that runs it; OpenMP's simd pragmas vectorize the
 #: reductions without -ffast-math (the order of a dot product's sum changes, nothing else); -fopenmp makes
 #: at::parallel_for use torch's threads (without it the header-inlined loop runs on one)

@@ -27,6 +27,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = native_ops() if x.device.type == "cpu" and x.dtype == self.weight.dtype else None
+        if kernels is not None:  # one pass instead of 8 ops (afd/kernels/csrc/norm_rope.cpp)
+            return kernels.rms_norm(x.contiguous(), self.weight, self.eps)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -65,6 +71,13 @@ class RotaryEmbedding:
         rot = 2 * cos.shape[-1]
         if x.shape[-1] > rot:
             return torch.cat((self.apply(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+        kernels = native_ops() if x.device.type == "cpu" else None
+        if kernels is not None:  # one pass instead of ~12 ops (afd/kernels/csrc/norm_rope.cpp)
+            return kernels.rotary(x.contiguous(), cos.contiguous(), sin.contiguous(), self.interleaved)
+        return self.reference(x, cos, sin)
+
+    def reference(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """:meth:`apply` in torch ops, for x whose every channel rotates."""
         x32 = x.float()
         c, s = cos[:, None, :], sin[:, None, :]
         if self.interleaved:  # pairs (x0, x1), (x2, x3), ... as complex numbers

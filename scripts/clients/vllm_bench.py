@@ -128,6 +128,28 @@ def vllm_compatible_model(out: Path) -> Path:
     return out
 
 
+def tree_cpu(root: int) -> tuple[float, float]:
+    """CPU seconds (user + system) used so far by a server's root process (its HTTP front end) and by all its
+    descendants together (engine core, ranks), from Linux /proc; a process that already exited is not counted."""
+    tick = os.sysconf("SC_CLK_TCK")
+    procs: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ... utime (14th), stime (15th)
+        procs[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    tree, grown = {root}, True
+    while grown:
+        new = {pid for pid, (ppid, _) in procs.items() if ppid in tree and pid not in tree}
+        tree |= new
+        grown = bool(new)
+    return procs.get(root, (0, 0.0))[1], sum(procs[p][1] for p in tree - {root} if p in procs)
+
+
 def bench(args, url: str, backend: str, endpoint: str, out: Path, concurrency: int, seed: int = 0) -> dict:
     if args.prefix_repetition:
         p, s, n = args.prefix_repetition.split(",")
@@ -159,15 +181,21 @@ def against_vllm(args, tmp: Path, concurrencies: list[int]) -> int:
             for c in concurrencies:
                 for name, server in (("vllm serve", vllm), ("afd serve", afd)):
                     # prompts of their own per (round, concurrency), the same for both: no cache hit across runs
+                    before = tree_cpu(server.proc.pid)
                     r = bench(args, server.url, "openai", "/v1/completions", tmp / name / f"r{k}" / str(c), c, seed=1000 * k + c)
+                    front, engine = (b - a for a, b in zip(before, tree_cpu(server.proc.pid)))
+                    r["cpu_ms_per_token"] = {"front end": 1e3 * front / r["total_output_tokens"], "engine": 1e3 * engine / r["total_output_tokens"]}
                     results[(name, c, k)] = r
                     failed += r["failed"] if "failed" in r else args.num_prompts - r["completed"]
         afd_prefix = {k: server_metric(afd.url, f"afd_prefix_cache_{k}_total") for k in ("queries", "hits")}
     print(f"\nvllm bench serve: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, {args.rounds} round(s); "
           f"afd's prefix cache hit {afd_prefix['hits']:.0f} of {afd_prefix['queries']:.0f} prompt tokens")
-    print(f"{'server':12} {'conc.':>5} {'round':>5} {'done':>5} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12}")
+    print(f"{'server':12} {'conc.':>5} {'round':>5} {'done':>5} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12}"
+          f" {'CPU ms/token: front end':>24} {'engine':>7}")
     for (name, c, k), r in results.items():
-        print(f"{name:12} {c:5d} {k:5d} {r['completed']:5d} {r['output_throughput']:10.1f} {r['median_ttft_ms']:12.1f} {r['median_tpot_ms']:12.1f}")
+        cpu = r["cpu_ms_per_token"]
+        print(f"{name:12} {c:5d} {k:5d} {r['completed']:5d} {r['output_throughput']:10.1f} {r['median_ttft_ms']:12.1f} {r['median_tpot_ms']:12.1f}"
+              f" {cpu['front end']:24.2f} {cpu['engine']:7.2f}")
     print(f"\n{'concurrency':>11} {'out tok/s afd/vLLM':>24} {'TPOT p50 afd/vLLM':>24} {'TTFT p50 afd/vLLM':>24}   (median; per round)")
     summary = {}
     for c in concurrencies:
