@@ -23,7 +23,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
+import shutil
 from pathlib import Path
 from types import ModuleType
 
@@ -48,6 +50,17 @@ def _cpu_flags() -> str:
         return ""
 
 
+def _ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; the one afd depends on lives beside the venv's python, which is
+    not on PATH when the venv is not activated (``.venv/bin/afd ...``). Added there, for this process only."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
+
+
 @functools.cache
 def ops() -> ModuleType | None:
     """The compiled kernels, or None where they are off (``AFD_KERNELS=0``) or could not be built."""
@@ -56,6 +69,7 @@ def ops() -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
 
+        _ninja_on_path()
         digest = hashlib.sha256()
         for source in SOURCES:
             digest.update(source.read_bytes())
