@@ -41,8 +41,13 @@ DECODE = {"kernel": pa.decode_attention, "reference": pa.decode_attention_refere
 
 
 def test_the_native_decode_kernel_is_built_here():
-    """CI builds and runs the C++ kernel: a machine where it silently fell back would test only the reference."""
+    """CI builds and runs the C++ kernel: a machine where it silently fell back would test only the reference.
+    On an AVX-512 CPU its register-tiled path must be the one built (half precision depends on it)."""
     assert native_ops() is not None, "afd/kernels did not build (see the warning in the log); AFD_KERNELS=0 turns it off"
+    from afd.kernels import _cpu_flags
+
+    if {"avx512f", "avx512bw", "avx512vl"} <= set(_cpu_flags().split()):
+        assert native_ops().paged_decode_vectorized
 
 
 @pytest.mark.parametrize("impl", DECODE)

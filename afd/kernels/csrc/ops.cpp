@@ -8,6 +8,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Tensor& local_ids, const at::Tensor& weights,
                                                const at::Tensor& gate_up, const at::Tensor& down);
 
+bool paged_decode_vectorized();
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
@@ -15,6 +17,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention read in place from the paged KV cache (paged_decode.cpp)");
+  m.attr("paged_decode_vectorized") = pybind11::bool_(paged_decode_vectorized());
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass, the Hugging Face dtype rules (norm_rope.cpp)");
   m.def("rotary", &rotary, "rotary embedding in one pass, interleaved or halves (norm_rope.cpp)");
   m.def("moe_experts", &moe_experts, "the routed experts held here, one GEMM pair per expert (moe_experts.cpp)");

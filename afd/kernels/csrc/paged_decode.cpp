@@ -23,6 +23,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -31,14 +33,14 @@
 
 namespace {
 
-// Scores of one block: scores[h * ld + j] = scale * <q_h, key_j> for G heads and n key rows.
+// Scores of one block: scores[h * ld + j] = scale * <q_h, key_j> for G heads (q already float32) and n key rows.
 template <typename T>
-void score_block(const T* q, int64_t g, int64_t dk, const T* const* keys, int64_t n, float scale, float* scores, int64_t ld) {
+void score_block(const float* q, int64_t g, int64_t dk, const T* const* keys, int64_t n, float scale, float* scores, int64_t ld) {
   for (int64_t j = 0; j < n; ++j)
     for (int64_t h = 0; h < g; ++h) {
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
-      for (int64_t i = 0; i < dk; ++i) s += static_cast<float>(q[h * dk + i]) * static_cast<float>(keys[j][i]);
+      for (int64_t i = 0; i < dk; ++i) s += q[h * dk + i] * static_cast<float>(keys[j][i]);
       scores[h * ld + j] = s * scale;
     }
 }
@@ -55,20 +57,36 @@ void value_block(float* acc, int64_t g, int64_t dv, const T* const* values, int6
     }
 }
 
-#if defined(__AVX512F__)
-// float32 on AVX-512: register tiles, so that each vector loaded from the cache feeds several FMAs (the
-// plain loops above load a query and a key per FMA and reduce every dot product on its own).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// AVX-512: register tiles, so that each vector loaded from the cache feeds several FMAs (the plain loops
+// above load a query and a key per FMA and reduce every dot product on its own). The cache may be float32,
+// bfloat16 or float16: 16 values are loaded and widened to float32 in registers (bfloat16: the upper half of
+// a float32; float16: the F16C conversion), never converted through scalars.
+
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __m512 load16(const c10::Half* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
 
 // 4 heads x 4 key rows: 16 accumulators, 8 loads per 16 FMAs. Rows past the valid ones repeat a valid
 // pointer (their results are dropped by the caller).
-inline void score_tile(const float* const* qs, const float* const* ks, int64_t dk, float out[4][4]) {
+template <typename T>
+inline void score_tile(const float* const* qs, const T* const* ks, int64_t dk, float out[4][4]) {
   __m512 acc[4][4];
   for (int h = 0; h < 4; ++h)
     for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < dk; i += 16) {
-    const __mmask16 m = dk - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (dk - i)) - 1);
+    const __mmask16 m = tail_mask(dk - i);
     __m512 kv[4];
-    for (int j = 0; j < 4; ++j) kv[j] = _mm512_maskz_loadu_ps(m, ks[j] + i);
+    for (int j = 0; j < 4; ++j) kv[j] = load16(ks[j] + i, m);
     for (int h = 0; h < 4; ++h) {
       const __m512 qv = _mm512_maskz_loadu_ps(m, qs[h] + i);
       for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_fmadd_ps(qv, kv[j], acc[h][j]);
@@ -78,8 +96,8 @@ inline void score_tile(const float* const* qs, const float* const* ks, int64_t d
     for (int j = 0; j < 4; ++j) out[h][j] = _mm512_reduce_add_ps(acc[h][j]);
 }
 
-template <>
-void score_block<float>(const float* q, int64_t g, int64_t dk, const float* const* keys, int64_t n, float scale, float* scores,
+template <typename T>
+void score_block_avx512(const float* q, int64_t g, int64_t dk, const T* const* keys, int64_t n, float scale, float* scores,
                         int64_t ld) {
   float tile[4][4];
   for (int64_t h0 = 0; h0 < g; h0 += 4) {
@@ -88,7 +106,7 @@ void score_block<float>(const float* q, int64_t g, int64_t dk, const float* cons
     for (int64_t h = 0; h < 4; ++h) qs[h] = q + (h0 + std::min(h, nh - 1)) * dk;
     for (int64_t j0 = 0; j0 < n; j0 += 4) {
       const int64_t nj = std::min<int64_t>(4, n - j0);
-      const float* ks[4];
+      const T* ks[4];
       for (int64_t j = 0; j < 4; ++j) ks[j] = keys[j0 + std::min(j, nj - 1)];
       score_tile(qs, ks, dk, tile);
       for (int64_t h = 0; h < nh; ++h)
@@ -98,22 +116,22 @@ void score_block<float>(const float* q, int64_t g, int64_t dk, const float* cons
 }
 
 // NH heads x 16 channels of the output held in registers over every row of the block.
-template <int NH>
-inline void value_tile(float* acc, int64_t dv, const float* const* values, int64_t n, const float* probs, int64_t ld) {
+template <int NH, typename T>
+inline void value_tile(float* acc, int64_t dv, const T* const* values, int64_t n, const float* probs, int64_t ld) {
   for (int64_t c = 0; c < dv; c += 16) {
-    const __mmask16 m = dv - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (dv - c)) - 1);
+    const __mmask16 m = tail_mask(dv - c);
     __m512 a[NH];
     for (int h = 0; h < NH; ++h) a[h] = _mm512_maskz_loadu_ps(m, acc + h * dv + c);
     for (int64_t j = 0; j < n; ++j) {
-      const __m512 v = _mm512_maskz_loadu_ps(m, values[j] + c);
+      const __m512 v = load16(values[j] + c, m);
       for (int h = 0; h < NH; ++h) a[h] = _mm512_fmadd_ps(_mm512_set1_ps(probs[h * ld + j]), v, a[h]);
     }
     for (int h = 0; h < NH; ++h) _mm512_mask_storeu_ps(acc + h * dv + c, m, a[h]);
   }
 }
 
-template <>
-void value_block<float>(float* acc, int64_t g, int64_t dv, const float* const* values, int64_t n, const float* probs, int64_t ld) {
+template <typename T>
+void value_block_avx512(float* acc, int64_t g, int64_t dv, const T* const* values, int64_t n, const float* probs, int64_t ld) {
   int64_t h0 = 0;
   for (; h0 + 4 <= g; h0 += 4) value_tile<4>(acc + h0 * dv, dv, values, n, probs + h0 * ld, ld);
   switch (g - h0) {
@@ -123,6 +141,21 @@ void value_block<float>(float* acc, int64_t g, int64_t dv, const float* const* v
     default: break;
   }
 }
+
+#define AFD_AVX512_TYPES(T)                                                                                            \
+  template <>                                                                                                          \
+  void score_block<T>(const float* q, int64_t g, int64_t dk, const T* const* keys, int64_t n, float scale, float* scores, \
+                      int64_t ld) {                                                                                    \
+    score_block_avx512<T>(q, g, dk, keys, n, scale, scores, ld);                                                       \
+  }                                                                                                                    \
+  template <>                                                                                                          \
+  void value_block<T>(float* acc, int64_t g, int64_t dv, const T* const* values, int64_t n, const float* probs, int64_t ld) { \
+    value_block_avx512<T>(acc, g, dv, values, n, probs, ld);                                                           \
+  }
+AFD_AVX512_TYPES(float)
+AFD_AVX512_TYPES(c10::BFloat16)
+AFD_AVX512_TYPES(c10::Half)
+#undef AFD_AVX512_TYPES
 #endif
 
 inline void scale_inplace(float* __restrict y, float a, int64_t n) {
@@ -137,8 +170,10 @@ void decode_one(const T* q,             // [G, Dk]: the query heads sharing key 
                 int64_t g, T* out,      // [G, Dv] (rows Hq apart are contiguous here: heads kh*G .. kh*G+G-1)
                 float* acc,             // [G, Dv] scratch
                 float* scores,          // [G, block_size] scratch
+                float* qf,              // [G, Dk] scratch: the queries in float32, widened once
                 const T** rows, const T** values)  // [block_size] scratch: the block's key and value rows
 {
+  for (int64_t i = 0; i < g * dk; ++i) qf[i] = static_cast<float>(q[i]);
   std::vector<float> m(g, -std::numeric_limits<float>::infinity()), l(g, 0.f);
   std::fill(acc, acc + g * dv, 0.f);
   for (int64_t start = 0; start < length; start += block_size) {
@@ -148,7 +183,7 @@ void decode_one(const T* q,             // [G, Dk]: the query heads sharing key 
       rows[j] = k_cache + ((base + j) * hk + kh) * dk;
       values[j] = values_in_keys ? rows[j] : v_cache + ((base + j) * hk + kh) * dv;
     }
-    score_block<T>(q, g, dk, rows, n, scale, scores, block_size);
+    score_block<T>(qf, g, dk, rows, n, scale, scores, block_size);
     for (int64_t h = 0; h < g; ++h) {
       float* s = scores + h * block_size;
       float top = m[h];
@@ -171,6 +206,16 @@ void decode_one(const T* q,             // [G, Dk]: the query heads sharing key 
 }
 
 }  // namespace
+
+// Whether the register-tiled path was compiled (an AVX-512 machine). Without it, half-precision caches go
+// through scalar conversions, slower than torch's batched matmuls: the caller keeps those on the torch path.
+bool paged_decode_vectorized() {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  return true;
+#else
+  return false;
+#endif
+}
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                      const at::Tensor& block_tables, const at::Tensor& context_lens,
@@ -216,13 +261,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     const scalar_t* vp = values_in_keys ? nullptr : v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, d * hk, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(g * dv), scores(g * block_size);
+      std::vector<float> acc(g * dv), scores(g * block_size), qf(g * dk);
       std::vector<const scalar_t*> rows(block_size), values(block_size);
       for (int64_t w = begin; w < end; ++w) {
         const int64_t i = w / hk, kh = w % hk;
         decode_one<scalar_t>(qp + (i * hq + kh * g) * dk, kp, vp, hk, kh, dk, dv, values_in_keys, tables + i * width,
                              lens[i], block_size, static_cast<float>(scale), g, op + (i * hq + kh * g) * dv, acc.data(),
-                             scores.data(), rows.data(), values.data());
+                             scores.data(), qf.data(), rows.data(), values.data());
       }
     });
   });
