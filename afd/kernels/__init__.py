@@ -11,9 +11,10 @@ kernels are off or cannot be built). Today:
   over each row, with their dtype rules.
 
 The build is torch's own extension builder (``torch.utils.cpp_extension.load``: the machine's C++ compiler
-and ninja), keyed by a hash of the sources, the flags and the CPU's features, under torch's extension
-cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``): the first process on a machine
-pays ~40-60 s, concurrent processes wait for that one build, later ones load the library in ~0.2 s.
+and ninja), keyed by a hash of the sources (their text and their place), the flags and the CPU's
+features, under torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``):
+the first process of a checkout on a machine pays ~40-60 s, concurrent processes wait for that one build,
+later ones load the library in ~0.2 s.
 ``make setup`` builds it, so a server's first start does not. ``AFD_KERNELS=0`` turns the kernels off;
 a build that fails is logged once as a warning and afd runs the pure-torch paths.
 """
@@ -73,7 +74,9 @@ def ops() -> ModuleType | None:
         digest = hashlib.sha256()
         for source in SOURCES:
             digest.update(source.read_bytes())
-        digest.update(" ".join((*CFLAGS, platform.machine(), _cpu_flags())).encode())
+        # the sources' directory too: torch's builder writes their absolute paths into the build, so two checkouts
+        # sharing one name would rebuild over each other's library (a 40-70 s stall on every switch)
+        digest.update(" ".join((*CFLAGS, platform.machine(), _cpu_flags(), str(SOURCES[0].parent.resolve()))).encode())
         name = f"afd_kernels_{digest.hexdigest()[:12]}"
         log.debug("loading afd's CPU kernels (%s; built once per version and machine)", name)
         return cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
