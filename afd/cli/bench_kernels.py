@@ -4,12 +4,18 @@ inputs in one process, alternating the two: medians of ``--runs`` and their rati
 * decode attention: D decode tokens, each with a context of L positions scattered over a paged cache, MLA's
   absorbed shapes by default (16 heads on one 576-wide latent, 512 values: DeepSeek-V2-Lite's);
 * the routed experts: T tokens, top-k of E experts (V2-Lite's 64 of 2048 x 1408 by default is large; the
-  default here is the vLLM-comparison model's 8 experts of 256 x 192, where the loop's overhead shows).
+  default here is the vLLM-comparison model's 8 experts of 256 x 192, where the loop's overhead shows);
+* decode-size linears: M rows against an N x K weight (the vLLM-comparison model's projections and LM head by
+  default), the weights cycled through copies larger than the last-level cache, as a decode step reads them.
+
+The torch side runs with the kernels off (afd.models.layers sees none), so the experts' torch path is the
+whole Python loop over F.linear.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -28,6 +34,9 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32], help="experts: tokens per call")
     p.add_argument("--experts", type=int, nargs=4, default=[8, 2, 256, 192], metavar=("E", "K", "H", "I"),
                    help="experts, top-k, hidden, intermediate")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16], help="linears: rows of x")
+    p.add_argument("--linears", nargs="+", default=["576x256", "384x256", "4096x256", "256x768"], metavar="NxK",
+                   help="linears: weight shapes (out x in)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice)")
     p.add_argument("--runs", type=int, default=20)
@@ -45,6 +54,19 @@ def _alternate(a, b, runs: int) -> tuple[float, float]:
             f()
             times.append(time.perf_counter() - t0)
     return statistics.median(ta), statistics.median(tb)
+
+
+@contextlib.contextmanager
+def _torch_only():
+    """The models' layers without the native kernels (what AFD_KERNELS=0 runs)."""
+    from afd.models import layers
+
+    native = layers.native_ops
+    layers.native_ops = lambda: None
+    try:
+        yield
+    finally:
+        layers.native_ops = native
 
 
 def _decode_case(d: int, context: int, heads: int, dtype: torch.dtype, runs: int):
@@ -73,7 +95,29 @@ def _experts_case(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, ru
     x = torch.randn(t, h).to(dtype)
     ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     weights = torch.rand(t, k)
-    return _alternate(lambda: experts(x, ids, weights), lambda: experts.reference(x, ids, weights), runs)
+    def torch_path():
+        with _torch_only():
+            experts.reference(x, ids, weights)
+
+    return _alternate(lambda: experts(x, ids, weights), torch_path, runs)
+
+
+def _linear_case(m: int, n: int, k: int, dtype: torch.dtype, runs: int):
+    import torch.nn.functional as F
+
+    from afd.kernels import ops
+
+    copies = [torch.randn(n, k).to(dtype) for _ in range(max(2, (64 << 20) // (n * k * 4)))]  # > 64 MB: from memory
+    x = torch.randn(m, k).to(dtype)
+    turn = [0, len(copies) // 2]  # apart: neither side reads the copy the other just brought into cache
+
+    def cycled(f, side):
+        def call():
+            turn[side] = (turn[side] + 1) % len(copies)
+            f(x, copies[turn[side]])
+        return call
+
+    return _alternate(cycled(ops().linear, 0), cycled(F.linear, 1), runs)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,6 +142,12 @@ def run(args: argparse.Namespace) -> int:
         results[f"experts T={t}"] = {"native_ms": native * 1e3, "torch_ms": ref * 1e3}
         rows.append(("experts", f"{t} tokens, top-{k} of {e} ({h} x {i})", f"{native * 1e3:.3f}", f"{ref * 1e3:.3f}",
                      f"{ref / native:.2f}x"))
+    for shape in args.linears:
+        n, k = (int(v) for v in shape.lower().split("x"))
+        for m in args.rows:
+            native, ref = _linear_case(m, n, k, dtype, args.runs)
+            results[f"linear M={m} N={n} K={k}"] = {"native_ms": native * 1e3, "torch_ms": ref * 1e3}
+            rows.append(("linear", f"{m} rows x ({n} x {k})", f"{native * 1e3:.3f}", f"{ref * 1e3:.3f}", f"{ref / native:.2f}x"))
     print_table(rows)
     speedups = [r["torch_ms"] / r["native_ms"] for r in results.values()]
     print(f"summary: {args.dtype}, torch threads {torch.get_num_threads()}, medians of {args.runs} alternating runs: "

@@ -34,7 +34,8 @@ from afd import env
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("ops.cpp", "paged_decode.cpp", "moe_experts.cpp", "norm_rope.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("ops.cpp", "paged_decode.cpp", "moe_experts.cpp", "norm_rope.cpp", "small_linear.cpp"))
+HEADERS = (Path(__file__).parent / "csrc" / "simd.h",)
 #: -march=native: the library is built on the machine that runs it; OpenMP's simd pragmas vectorize the
 #: reductions without -ffast-math (the order of a dot product's sum changes, nothing else); -fopenmp makes
 #: at::parallel_for use torch's threads (without it the header-inlined loop runs on one)
@@ -72,7 +73,7 @@ def ops() -> ModuleType | None:
 
         _ninja_on_path()
         digest = hashlib.sha256()
-        for source in SOURCES:
+        for source in (*SOURCES, *HEADERS):
             digest.update(source.read_bytes())
         # the sources' directory too: torch's builder writes their absolute paths into the build, so two checkouts
         # sharing one name would rebuild over each other's library (a 40-70 s stall on every switch)

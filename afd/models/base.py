@@ -16,12 +16,11 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from afd.config import ModelConfig, MoEConfig
 from afd.kvcache import AttentionMetadata, PagedKVCache
-from afd.models.layers import GatedMLP, GroupedExperts, RMSNorm, RotaryEmbedding
+from afd.models.layers import GatedMLP, GroupedExperts, Linear, RMSNorm, RotaryEmbedding, linear
 from afd.types import AttentionOutput, Routing
 
 #: ``observer(layer, boundary, tensor)``; boundaries: layer_input, attn_output,
@@ -55,8 +54,8 @@ class Router(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> router logits [T, E] (fp32 for DeepSeek and GLM, model dtype for Qwen)."""
         if self.moe.router_fp32:
-            return F.linear(x.float(), self.weight.float())
-        return F.linear(x, self.weight)
+            return linear(x.float(), self.weight.float())
+        return linear(x, self.weight)
 
     def selection_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """Scores [T, E] -> what the top-k is taken over: biased, and -inf outside the kept groups."""
@@ -135,7 +134,7 @@ class MoEModel(nn.Module):
             mlp = MoEBlock(config, held) if config.is_moe_layer(i) else GatedMLP(config.hidden_size, config.intermediate_size)
             layers.append(DecoderLayer(config, self.make_attention(i), mlp))
         self.model = Backbone(config, layers)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rope)
 
     # ------------------------------------------------------------------ family hooks

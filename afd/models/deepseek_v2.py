@@ -17,7 +17,7 @@ from torch import nn
 from afd.config import ModelConfig
 from afd.kvcache import AttentionMetadata
 from afd.models.base import MoEModel
-from afd.models.layers import RMSNorm, RotaryEmbedding
+from afd.models.layers import Linear, RMSNorm, RotaryEmbedding
 from afd.models.paged_attention import decode_attention, gather, prefill_attention
 
 
@@ -30,15 +30,15 @@ class MLAttention(nn.Module):
         self.num_heads = config.num_heads
         h, nh, bias = config.hidden_size, config.num_heads, config.attention_bias
         if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, nh * mla.qk_head_dim, bias=False)
+            self.q_proj = Linear(h, nh * mla.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(h, mla.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(h, mla.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, nh * mla.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=bias)
+            self.q_b_proj = Linear(mla.q_lora_rank, nh * mla.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(h, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, nh * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(nh * mla.v_head_dim, h, bias=bias)
+        self.kv_b_proj = Linear(mla.kv_lora_rank, nh * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
+        self.o_proj = Linear(nh * mla.v_head_dim, h, bias=bias)
         self.scale = mla.qk_head_dim**-0.5 * config.rope.softmax_scale_multiplier()
 
     def forward(

@@ -18,6 +18,24 @@ from afd.config import RopeConfig, yarn_mscale
 from afd.kernels import ops as native_ops
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; on CPU a few rows (a decode step's) take afd's kernel, which streams the weight once in
+    place instead of packing it per call (afd/kernels/csrc/small_linear.cpp; ``kernels.small_linear_max_rows``).
+    Every path that must agree bit for bit with another calls this (GroupedExperts and moe_experts.cpp)."""
+    if x.device.type == "cpu" and x.dim() == 2:
+        kernels = native_ops()
+        if kernels is not None and x.shape[0] <= kernels.small_linear_max_rows:
+            return kernels.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose CPU decode sizes run :func:`linear`'s kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """RMS norm computed in fp32, scaled in the input dtype (the Hugging Face convention)."""
 
@@ -44,9 +62,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -200,7 +218,7 @@ class GroupedExperts(nn.Module):
                 start += n
                 xe = x[rows // k]  # [n, H]
                 w_gate_up, w_down = self.expert_weights(e)
-                gate, up = F.linear(xe, w_gate_up).chunk(2, dim=-1)
-                ye = F.linear(F.silu(gate) * up, w_down)  # [n, H]
+                gate, up = linear(xe, w_gate_up).chunk(2, dim=-1)
+                ye = linear(F.silu(gate) * up, w_down)  # [n, H]
                 out[rows] = (ye * weights[rows, None]).to(out.dtype)
         return out.view(num_tokens, k, -1).sum(dim=1)

@@ -10,7 +10,7 @@ from torch import nn
 from afd.config import ModelConfig
 from afd.kvcache import AttentionMetadata
 from afd.models.base import MoEModel
-from afd.models.layers import RMSNorm, RotaryEmbedding
+from afd.models.layers import Linear, RMSNorm, RotaryEmbedding
 from afd.models.paged_attention import decode_attention, gather, prefill_attention
 
 
@@ -21,10 +21,10 @@ class GQAttention(nn.Module):
         super().__init__()
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias and o_bias)
+        self.q_proj = Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=bias and o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)

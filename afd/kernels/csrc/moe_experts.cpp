@@ -17,6 +17,8 @@
 
 #include <vector>
 
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);  // small_linear.cpp
+
 std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Tensor& local_ids, const at::Tensor& weights,
                                                const at::Tensor& gate_up, const at::Tensor& down) {
   TORCH_CHECK(x.dim() == 2 && local_ids.dim() == 2 && local_ids.size(0) == x.size(0), "x must be [T, H], local_ids [T, k]");
@@ -46,9 +48,9 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
     if (n == 0) continue;
     at::Tensor row_index = at::from_blob(rows.data() + count[e], {n}, index_options).clone();  // [n] (token, slot) rows
     at::Tensor xe = x.index_select(0, at::div(row_index, k, "floor"));  // [n, H]
-    at::Tensor gate_and_up = at::linear(xe, gate_up[e]);  // [n, 2I]
+    at::Tensor gate_and_up = small_linear(xe, gate_up[e], c10::nullopt);  // [n, 2I]
     at::Tensor act = at::silu(gate_and_up.narrow(1, 0, inter)) * gate_and_up.narrow(1, inter, inter);
-    at::Tensor ye = at::linear(act, down[e]);  // [n, H]
+    at::Tensor ye = small_linear(act, down[e], c10::nullopt);  // [n, H]
     out.index_put_({row_index}, (ye * flat_weights.index_select(0, row_index).unsqueeze(1)).to(out.scalar_type()));
   }
   std::vector<int64_t> per_expert(num_experts);

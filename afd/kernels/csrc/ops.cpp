@@ -10,6 +10,10 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
 
 bool paged_decode_vectorized();
 
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+bool small_linear_vectorized();
+int64_t small_linear_max_rows();
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
@@ -20,5 +24,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("paged_decode_vectorized") = pybind11::bool_(paged_decode_vectorized());
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass, the Hugging Face dtype rules (norm_rope.cpp)");
   m.def("rotary", &rotary, "rotary embedding in one pass, interleaved or halves (norm_rope.cpp)");
+  m.def("linear", &small_linear, "y = x W^T + b; a few rows of x read W once in place (small_linear.cpp), more go to at::linear",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
+  m.attr("small_linear_vectorized") = pybind11::bool_(small_linear_vectorized());
+  m.attr("small_linear_max_rows") = pybind11::int_(small_linear_max_rows());
   m.def("moe_experts", &moe_experts, "the routed experts held here, one GEMM pair per expert (moe_experts.cpp)");
 }

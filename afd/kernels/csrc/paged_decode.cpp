@@ -20,9 +20,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
+
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -57,24 +56,12 @@ void value_block(float* acc, int64_t g, int64_t dv, const T* const* values, int6
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(AFD_AVX512)
 // AVX-512: register tiles, so that each vector loaded from the cache feeds several FMAs (the plain loops
 // above load a query and a key per FMA and reduce every dot product on its own). The cache may be float32,
-// bfloat16 or float16: 16 values are loaded and widened to float32 in registers (bfloat16: the upper half of
-// a float32; float16: the F16C conversion), never converted through scalars.
-
-inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-}
-
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-
-inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-inline __m512 load16(const c10::Half* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+// bfloat16 or float16, widened in registers (simd.h).
+using afd_simd::load16;
+using afd_simd::tail_mask;
 
 // 4 heads x 4 key rows: 16 accumulators, 8 loads per 16 FMAs. Rows past the valid ones repeat a valid
 // pointer (their results are dropped by the caller).
@@ -210,7 +197,7 @@ void decode_one(const T* q,             // [G, Dk]: the query heads sharing key 
 // Whether the register-tiled path was compiled (an AVX-512 machine). Without it, half-precision caches go
 // through scalar conversions, slower than torch's batched matmuls: the caller keeps those on the torch path.
 bool paged_decode_vectorized() {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(AFD_AVX512)
   return true;
 #else
   return false;

@@ -1,0 +1,168 @@
+// Linear layers at decode sizes: y = x W^T (+ b) for a few rows of x, reading W once, as it lies.
+//
+// A decode step multiplies a handful of rows (one per sequence, or the few rows routed to one expert) by
+// every weight of the model. That is a stream over the weights with a few FMAs per weight loaded, and its
+// speed is the speed of that stream. The BLAS path (torch's F.linear: MKL for float32) first packs W into
+// its own layout, which reads W and writes a copy per call; measured here on one thread with W out of
+// cache, an 8-row product ran at 4-6 GB/s of weights while a plain read of memory runs at ~21 GB/s
+// (docs/benchmarks.md, "Kernels"). Here each W row is read once, in place, 16 values at a time, and meets
+// every row of x while it is in registers: MT rows of x by NT rows of W per tile, MT * NT accumulators.
+//
+//   x       [M, K]   float32 (M <= 16), bfloat16 or float16 (M <= 4); more rows go to at::linear
+//   weight  [N, K]   x's dtype, contiguous (nn.Linear's layout)
+//   bias    [N]      optional, x's dtype
+//   returns [M, N]   x's dtype; products and sums in float32, rounded once (as torch's CPU linear does)
+//
+// Work is split over torch's threads by blocks of W rows. The sums run in a different order from the BLAS
+// path's, so results agree with at::linear to float32 rounding, not bit for bit; every caller that must
+// agree bit for bit with another path (GroupedExperts' reference, moe_experts.cpp) calls this same function.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#include "simd.h"
+
+namespace {
+
+// The most rows of x taken here (afd bench kernels compares both paths around them). Past 16 float32 rows
+// the BLAS path's packing pays for itself. Half precision stops at 4: from 8 rows up its product is
+// compute-bound, and oneDNN's bfloat16 dot-product instructions do twice the work of this kernel's widened
+// float32 FMAs (measured at V2-Lite's shapes: 0.8-0.9x at 8 rows, 1.2-2.2x at 1-4).
+constexpr int64_t kMaxRows = 16;
+constexpr int64_t kMaxHalfRows = 4;
+#ifndef AFD_PF
+#define AFD_PF 8
+#endif
+constexpr int64_t kPrefetchRows = AFD_PF;
+
+#if defined(AFD_AVX512)
+using afd_simd::load16;
+using afd_simd::tail_mask;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// MT rows of x (float32) against NT rows of W: out[m * ldo + n] = <x_m, w_n>. While it runs, the NT rows
+// kPrefetchRows further on are asked for, a cache line per row per step: with several FMAs per weight the
+// hardware prefetcher alone falls behind (an 8-row product ran at 5 GB/s from memory, 70 GFLOP/s from L1).
+template <int MT, int NT, typename W>
+inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t k_len, float* out, int64_t ldo) {
+  const char* ahead = reinterpret_cast<const char*>(w + kPrefetchRows * ldw);
+  __m512 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= k_len; k += 16) {
+    __m512 wv[NT];
+    for (int n = 0; n < NT; ++n) _mm_prefetch(ahead + (n * ldw + k) * sizeof(W), _MM_HINT_T0);
+    for (int n = 0; n < NT; ++n) wv[n] = load16(w + n * ldw + k);
+    for (int m = 0; m < MT; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
+      for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
+    }
+  }
+  if (k < k_len) {
+    const __mmask16 mask = tail_mask(k_len - k);
+    __m512 wv[NT];
+    for (int n = 0; n < NT; ++n) wv[n] = load16(w + n * ldw + k, mask);
+    for (int m = 0; m < MT; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);
+      for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m][n]);
+}
+
+// mt (1..MAX_MT) rows of x against NT rows of W.
+template <int NT, int MAX_MT, typename W>
+inline void tile_rows(int64_t mt, const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t k_len, float* out, int64_t ldo) {
+  switch (mt) {
+#define AFD_TILE_CASE(R) \
+  case R:                \
+    if constexpr (R <= MAX_MT) tile<R, NT>(x, ldx, w, ldw, k_len, out, ldo); \
+    break;
+    AFD_TILE_CASE(1)
+    AFD_TILE_CASE(2)
+    AFD_TILE_CASE(3)
+    AFD_TILE_CASE(4)
+    AFD_TILE_CASE(5)
+    AFD_TILE_CASE(6)
+    AFD_TILE_CASE(7)
+    AFD_TILE_CASE(8)
+#undef AFD_TILE_CASE
+    default: TORCH_CHECK(false, "small_linear: a tile of ", mt, " rows");
+  }
+}
+
+// out [M, N] float32 = x [M, K] float32 . W [N, K]^T. Tiles: up to 8 rows of x; NT rows of W as registers
+// allow (MT * NT accumulators + MT + NT operands within 32 registers).
+template <typename W>
+void gemm(const float* x, int64_t rows, int64_t k_len, const W* w, int64_t n_len, float* out) {
+  const int64_t nt = rows <= 1 ? 8 : rows <= 4 ? 4 : 2;
+  const int64_t blocks = (n_len + nt - 1) / nt;
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (nt * k_len * static_cast<int64_t>(sizeof(W))));  // >= 64 KB of W a task
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * nt, nn = std::min(nt, n_len - n0);
+      for (int64_t m0 = 0; m0 < rows; m0 += 8) {  // the W tile stays in L1 over the row tiles
+        const int64_t mt = std::min<int64_t>(8, rows - m0);
+        const float* xm = x + m0 * k_len;
+        float* om = out + m0 * n_len + n0;
+        if (nn == nt && nt == 8) {
+          tile_rows<8, 1>(mt, xm, k_len, w + n0 * k_len, k_len, k_len, om, n_len);
+        } else if (nn == nt && nt == 4) {
+          tile_rows<4, 4>(mt, xm, k_len, w + n0 * k_len, k_len, k_len, om, n_len);
+        } else if (nn == nt) {
+          tile_rows<2, 8>(mt, xm, k_len, w + n0 * k_len, k_len, k_len, om, n_len);
+        } else {
+          for (int64_t n = n0; n < n0 + nn; ++n) tile_rows<1, 8>(mt, xm, k_len, w + n * k_len, k_len, k_len, om + (n - n0), n_len);
+        }
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+bool small_linear_vectorized() {
+#if defined(AFD_AVX512)
+  return true;
+#else
+  return false;
+#endif
+}
+
+int64_t small_linear_max_rows() { return kMaxRows; }
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+#if defined(AFD_AVX512)
+  const auto dtype = x.scalar_type();
+  const bool applies = x.device().is_cpu() && x.dim() == 2 && weight.dim() == 2 && x.size(0) >= 1 &&
+                       x.size(0) <= (dtype == at::kFloat ? kMaxRows : kMaxHalfRows) &&
+                       x.size(1) == weight.size(1) && weight.scalar_type() == dtype && weight.is_contiguous() &&
+                       (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+                       (!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0)));
+  if (!applies) return at::linear(x, weight, bias);
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  const int64_t rows = x.size(0), k_len = x.size(1), n_len = weight.size(0);
+  at::Tensor out = at::empty({rows, n_len}, x.options().dtype(at::kFloat));
+  if (dtype == at::kFloat) {
+    gemm(x32.data_ptr<float>(), rows, k_len, weight.data_ptr<float>(), n_len, out.data_ptr<float>());
+  } else if (dtype == at::kBFloat16) {
+    gemm(x32.data_ptr<float>(), rows, k_len, weight.data_ptr<c10::BFloat16>(), n_len, out.data_ptr<float>());
+  } else {
+    gemm(x32.data_ptr<float>(), rows, k_len, weight.data_ptr<c10::Half>(), n_len, out.data_ptr<float>());
+  }
+  if (bias.has_value()) out.add_(bias->to(at::kFloat));
+  return dtype == at::kFloat ? out : out.to(dtype);
+#else
+  return at::linear(x, weight, bias);
+#endif
+}

@@ -1,0 +1,74 @@
+"""The native decode-size linear (afd/kernels/csrc/small_linear.cpp) against F.linear and float64 arithmetic,
+over the shapes its tiles split into (row tiles of 1-8, weight tiles of 1, 2, 4 and 8 rows, K tails), and the
+claim that a CPU model's decode-size projections run it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from afd.kernels import ops as native_ops
+from afd.models.layers import GatedMLP, Linear, linear
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """At most twice F.linear's own error against float64 (the sums run in another order, nothing else)."""
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    want = F.linear(x, w, b)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    ulp = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}[x.dtype]
+    assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + ulp * exact.abs().max(), (
+        (got.double() - exact).abs().max(), (want.double() - exact).abs().max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 16, 17, 40])  # 17, 40: past the kernel, at::linear
+@pytest.mark.parametrize("n, k", [(13, 24), (384, 256), (66, 200)])  # weight-row and K tails
+def test_native_linear_matches_float64_like_f_linear(dtype, rows, n, k):
+    assert native_ops() is not None, "afd/kernels did not build here"
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    _close_to_exact(native_ops().linear(x, w), x, w, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_linear_adds_the_bias_and_reads_a_strided_view(dtype):
+    gen = torch.Generator().manual_seed(3)
+    both = torch.randn(3, 80, generator=gen).to(dtype)
+    x = both[:, 16:]  # a split of a wider projection: rows with a stride
+    w = torch.randn(40, 64, generator=gen).to(dtype)
+    b = torch.randn(40, generator=gen).to(dtype)
+    _close_to_exact(native_ops().linear(x, w, b), x, w, b)
+    _close_to_exact(linear(x, w, b), x, w, b)
+
+
+def test_the_native_linear_is_built_here():
+    from afd.kernels import _cpu_flags
+
+    assert native_ops() is not None, "afd/kernels did not build (see the warning in the log); AFD_KERNELS=0 turns it off"
+    if {"avx512f", "avx512bw", "avx512vl"} <= set(_cpu_flags().split()):
+        assert native_ops().small_linear_vectorized and native_ops().small_linear_max_rows >= 8
+
+
+def test_a_models_decode_size_projections_run_the_native_linear(monkeypatch):
+    """Counted: a decode step's rows through a SwiGLU MLP are three kernel calls; a prefill's go to F.linear."""
+    kernels = native_ops()
+    calls: list[int] = []
+    real = kernels.linear
+    monkeypatch.setattr(kernels, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b))
+    mlp = GatedMLP(32, 48)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(8, 32)
+    got = mlp(x)
+    assert calls == [8, 8, 8]
+    want = F.linear(F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight), mlp.down_proj.weight)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    calls.clear()
+    mlp(torch.randn(kernels.small_linear_max_rows + 1, 32))
+    assert calls == []
+    assert isinstance(mlp.gate_proj, torch.nn.Linear) and isinstance(mlp.gate_proj, Linear)  # loaders see nn.Linear
