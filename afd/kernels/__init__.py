@@ -8,7 +8,9 @@ kernels are off or cannot be built). Today:
 * ``moe_experts``: the routed experts a process holds, the per-expert loop of
   ``GroupedExperts.forward`` (afd/models/layers.py) in one call, bit for bit the same ops;
 * ``rms_norm``, ``rotary``: ``RMSNorm`` and ``RotaryEmbedding.apply`` (afd/models/layers.py) in one pass
-  over each row, with their dtype rules.
+  over each row, with their dtype rules;
+* ``linear``: ``F.linear`` at decode sizes (a few rows), reading the weight once in place instead of
+  packing it per call (``afd.models.layers.linear``: every ``Linear`` of the models, the router, the experts).
 
 The build is torch's own extension builder (``torch.utils.cpp_extension.load``: the machine's C++ compiler
 and ninja), keyed by a hash of the sources (their text and their place), the flags and the CPU's

@@ -4,7 +4,8 @@
 // At decode sizes an expert's GEMMs are a few rows, and the loop around them (sort the (token, slot) rows by
 // expert, gather, two GEMMs, SwiGLU, weight, scatter: about ten ops an expert) cost more in the interpreter
 // than the GEMMs did. Here the rows are grouped by a counting sort in plain C++ and each op is a direct ATen
-// call. The results are the Python loop's bit for bit: every tensor op is the one it ran.
+// call. The results are the Python loop's bit for bit: every tensor op is the one it ran (its GEMMs are
+// small_linear.cpp's, which the loop's ``linear`` calls too).
 //
 //   x          [T, H]        tokens (any float dtype)
 //   local_ids  [T, k] int64  the local index (0..E-1) of each token's k-th expert, -1 where it is not held here
