@@ -1,11 +1,17 @@
-// The routed experts a process holds, in one call: the same ATen ops, in the same order, as
-// GroupedExperts.forward's per-expert loop (afd/models/layers.py), without a Python round trip per op.
+// The routed experts a process holds, in one call, in one of two ways:
 //
-// At decode sizes an expert's GEMMs are a few rows, and the loop around them (sort the (token, slot) rows by
-// expert, gather, two GEMMs, SwiGLU, weight, scatter: about ten ops an expert) cost more in the interpreter
-// than the GEMMs did. Here the rows are grouped by a counting sort in plain C++ and each op is a direct ATen
-// call. The results are the Python loop's bit for bit: every tensor op is the one it ran (its GEMMs are
-// small_linear.cpp's, which the loop's ``linear`` calls too).
+// * Decode sizes (every expert's rows within small_linear.cpp's reach, AVX-512): the whole expert loop in
+//   plain C++ over float32 scratch buffers. Per expert: gather its rows, the gate/up product, SwiGLU, the
+//   down product, each row weighted and added into its token's output, with no ATen op between. At decode
+//   an expert gets 1-8 rows, and the ~8 ATen ops around its two GEMMs (gather, silu, mul, weighting, scatter,
+//   the final sum over slots) had cost as much as the GEMMs. Intermediates stay in float32, so in half
+//   precision this path rounds once, at the end (the Python loop rounds after every op): it agrees with the
+//   loop to the loop's own rounding, not bit for bit.
+// * Otherwise (prefill, or no AVX-512): the same ATen ops, in the same order, as GroupedExperts.reference's
+//   per-expert loop (afd/models/layers.py), without a Python round trip per op, so bit for bit its output
+//   (its GEMMs are small_linear's, which the loop's ``linear`` calls too).
+//
+// Both group the (token, slot) rows by expert with a counting sort in plain C++.
 //
 //   x          [T, H]        tokens (any float dtype)
 //   local_ids  [T, k] int64  the local index (0..E-1) of each token's k-th expert, -1 where it is not held here
@@ -16,9 +22,54 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <vector>
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);  // small_linear.cpp
+// small_linear.cpp
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+bool small_gemm(const float* x, int64_t rows, int64_t k_len, const at::Tensor& weight, float* out);
+bool small_linear_vectorized();
+int64_t small_linear_max_rows(at::ScalarType dtype);
+
+namespace {
+
+// The decode path (see the top): out [T, H] float32 += weight * expert(x row) for every held (token, slot) row.
+at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
+                            const std::vector<int64_t>& count, const std::vector<int64_t>& rows, int64_t k, int64_t most) {
+  const int64_t hidden = x.size(1), inter = down.size(2), num_experts = gate_up.size(0);
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  const at::Tensor w32 = weights.to(at::kFloat).contiguous();
+  const float* xs = x32.data_ptr<float>();
+  const float* ws = w32.data_ptr<float>();
+  at::Tensor out = at::zeros({x.size(0), hidden}, x.options().dtype(at::kFloat));
+  float* os = out.data_ptr<float>();
+  std::vector<float> xe(most * hidden), gate_and_up(most * 2 * inter), act(most * inter), ye(most * hidden);
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t n = count[e + 1] - count[e];
+    if (n == 0) continue;
+    const int64_t* slot_rows = rows.data() + count[e];
+    for (int64_t i = 0; i < n; ++i) std::memcpy(xe.data() + i * hidden, xs + (slot_rows[i] / k) * hidden, hidden * sizeof(float));
+    TORCH_CHECK(small_gemm(xe.data(), n, hidden, gate_up[e], gate_and_up.data()), "moe_experts: gate_up is not contiguous");
+    for (int64_t i = 0; i < n; ++i) {
+      const float* g = gate_and_up.data() + i * 2 * inter;
+      float* a = act.data() + i * inter;
+      for (int64_t c = 0; c < inter; ++c) a[c] = g[c] / (1.f + std::exp(-g[c])) * g[inter + c];  // silu(gate) * up
+    }
+    TORCH_CHECK(small_gemm(act.data(), n, inter, down[e], ye.data()), "moe_experts: down is not contiguous");
+    for (int64_t i = 0; i < n; ++i) {
+      const float w = ws[slot_rows[i]];
+      const float* y = ye.data() + i * hidden;
+      float* o = os + (slot_rows[i] / k) * hidden;
+#pragma omp simd
+      for (int64_t c = 0; c < hidden; ++c) o[c] += w * y[c];
+    }
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Tensor& local_ids, const at::Tensor& weights,
                                                const at::Tensor& gate_up, const at::Tensor& down) {
@@ -41,9 +92,17 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
   std::vector<int64_t> rows(count[num_experts]), fill(count.begin(), count.end() - 1);
   for (int64_t r = 0; r < num_tokens * k; ++r)
     if (id[r] >= 0) rows[fill[id[r]]++] = r;  // in row order within an expert, as a stable sort gives
+  std::vector<int64_t> per_expert(num_experts);
+  for (int64_t e = 0; e < num_experts; ++e) per_expert[e] = count[e + 1] - count[e];
+  const auto index_options = at::TensorOptions().dtype(at::kLong);
+  const int64_t most = per_expert.empty() ? 0 : *std::max_element(per_expert.begin(), per_expert.end());
+  const auto dtype = x.scalar_type();
+  if (small_linear_vectorized() && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+      gate_up.scalar_type() == dtype && down.scalar_type() == dtype && gate_up.is_contiguous() && down.is_contiguous() &&
+      most <= small_linear_max_rows(dtype))
+    return {experts_in_place(x, weights, gate_up, down, count, rows, k, most), at::tensor(per_expert, index_options)};
   auto out = at::zeros({num_tokens * k, x.size(1)}, x.options());  // one row per (token, slot)
   const at::Tensor flat_weights = weights.reshape({-1});
-  const auto index_options = at::TensorOptions().dtype(at::kLong);
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t n = count[e + 1] - count[e];
     if (n == 0) continue;
@@ -54,7 +113,5 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
     at::Tensor ye = small_linear(act, down[e], c10::nullopt);  // [n, H]
     out.index_put_({row_index}, (ye * flat_weights.index_select(0, row_index).unsqueeze(1)).to(out.scalar_type()));
   }
-  std::vector<int64_t> per_expert(num_experts);
-  for (int64_t e = 0; e < num_experts; ++e) per_expert[e] = count[e + 1] - count[e];
   return {out.view({num_tokens, k, -1}).sum(1), at::tensor(per_expert, index_options)};
 }

@@ -131,6 +131,27 @@ void gemm(const float* x, int64_t rows, int64_t k_len, const W* w, int64_t n_len
 
 }  // namespace
 
+int64_t small_linear_max_rows(at::ScalarType dtype) { return dtype == at::kFloat ? kMaxRows : kMaxHalfRows; }
+
+bool small_gemm(const float* x, int64_t rows, int64_t k_len, const at::Tensor& weight, float* out) {
+#if defined(AFD_AVX512)
+  const auto dtype = weight.scalar_type();
+  if (weight.dim() != 2 || weight.size(1) != k_len || !weight.is_contiguous()) return false;
+  if (dtype == at::kFloat) {
+    gemm(x, rows, k_len, weight.data_ptr<float>(), weight.size(0), out);
+  } else if (dtype == at::kBFloat16) {
+    gemm(x, rows, k_len, weight.data_ptr<c10::BFloat16>(), weight.size(0), out);
+  } else if (dtype == at::kHalf) {
+    gemm(x, rows, k_len, weight.data_ptr<c10::Half>(), weight.size(0), out);
+  } else {
+    return false;
+  }
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool small_linear_vectorized() {
 #if defined(AFD_AVX512)
   return true;
@@ -145,7 +166,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
 #if defined(AFD_AVX512)
   const auto dtype = x.scalar_type();
   const bool applies = x.device().is_cpu() && x.dim() == 2 && weight.dim() == 2 && x.size(0) >= 1 &&
-                       x.size(0) <= (dtype == at::kFloat ? kMaxRows : kMaxHalfRows) &&
+                       x.size(0) <= small_linear_max_rows(dtype) &&
                        x.size(1) == weight.size(1) && weight.scalar_type() == dtype && weight.is_contiguous() &&
                        (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
                        (!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0)));
@@ -153,13 +174,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
   const int64_t rows = x.size(0), k_len = x.size(1), n_len = weight.size(0);
   at::Tensor out = at::empty({rows, n_len}, x.options().dtype(at::kFloat));
-  if (dtype == at::kFloat) {
-    gemm(x32.data_ptr<float>(), rows, k_len, weight.data_ptr<float>(), n_len, out.data_ptr<float>());
-  } else if (dtype == at::kBFloat16) {
-    gemm(x32.data_ptr<float>(), rows, k_len, weight.data_ptr<c10::BFloat16>(), n_len, out.data_ptr<float>());
-  } else {
-    gemm(x32.data_ptr<float>(), rows, k_len, weight.data_ptr<c10::Half>(), n_len, out.data_ptr<float>());
-  }
+  small_gemm(x32.data_ptr<float>(), rows, k_len, weight, out.data_ptr<float>());
   if (bias.has_value()) out.add_(bias->to(at::kFloat));
   return dtype == at::kFloat ? out : out.to(dtype);
 #else
