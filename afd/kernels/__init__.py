@@ -6,7 +6,8 @@ kernels are off or cannot be built). Today:
 * ``paged_decode_attention``: decode attention read in place from the paged KV cache
   (afd/models/paged_attention.py says when it is used);
 * ``moe_experts``: the routed experts a process holds, the per-expert loop of
-  ``GroupedExperts.forward`` (afd/models/layers.py) in one call, bit for bit the same ops;
+  ``GroupedExperts.forward`` (afd/models/layers.py) in one call: in plain C++ at decode sizes, the loop's own
+  ATen ops (bit for bit) past them;
 * ``rms_norm``, ``rotary``: ``RMSNorm`` and ``RotaryEmbedding.apply`` (afd/models/layers.py) in one pass
   over each row, with their dtype rules;
 * ``linear``: ``F.linear`` at decode sizes (a few rows), reading the weight once in place instead of

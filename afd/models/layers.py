@@ -21,7 +21,7 @@ from afd.kernels import ops as native_ops
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; on CPU a few rows (a decode step's) take afd's kernel, which streams the weight once in
     place instead of packing it per call (afd/kernels/csrc/small_linear.cpp; ``kernels.small_linear_max_rows``).
-    Every path that must agree bit for bit with another calls this (GroupedExperts and moe_experts.cpp)."""
+    ``GroupedExperts.reference`` calls it as moe_experts.cpp does, so past decode sizes the two agree bit for bit."""
     if x.device.type == "cpu" and x.dim() == 2:
         kernels = native_ops()
         if kernels is not None and x.shape[0] <= kernels.small_linear_max_rows:
@@ -188,7 +188,7 @@ class GroupedExperts(nn.Module):
         kernels = native_ops() if x.device.type == "cpu" and self.fp8_block is None else None
         if kernels is None:
             return self.reference(x, topk_ids, topk_weights)
-        # the loop of :meth:`reference` in one C++ call: the same ops, without the interpreter per op
+        # the loop of :meth:`reference` in one C++ call (afd/kernels/csrc/moe_experts.cpp says how)
         out, counts = kernels.moe_experts(x, self._local_ids(topk_ids), topk_weights, self.gate_up_proj, self.down_proj)
         for e, n in enumerate(counts.tolist()):
             self.tokens_routed[e] += n

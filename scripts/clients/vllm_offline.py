@@ -1,13 +1,16 @@
 """Offline generation, afd against vLLM's ``LLM`` on the same checkpoint, in one run:
 
-    python scripts/clients/vllm_offline.py --vllm-python V/bin/python [--model DIR] [--batches 1,8] [--repeats 3]
+    python scripts/clients/vllm_offline.py --vllm-python V/bin/python [--model DIR] [--batches 1,8] [--repeats 3] [--rounds 1]
 
 Greedy, EOS ignored, random token-id prompts of ``--prompt-len`` tokens and ``--new-tokens`` new tokens,
 fp32, one compute thread each. For every batch size: output tokens per second of the whole call (prefill
 included), median of ``--repeats`` after a warm-up, for vLLM (``LLM.generate``, eager), afd's engine
 (``LLMEngine.generate``) and afd's front end (what ``afd generate`` runs: ``run_offline`` over the engine).
 The default model is the one ``vllm_bench.py --against-vllm`` writes (the built-in model's shape with
-vLLM-CPU's MLA head size, random weights). The vllm venv is made by scripts/clients/setup-venvs.sh."""
+vLLM-CPU's MLA head size, random weights). ``--rounds R`` runs both sides R times in turn (vLLM, then afd) and
+reports each round's ratios and their median: this machine drifts by tens of percent within minutes, for
+both, so a ratio is only as good as the two sides being measured close together.
+The vllm venv is made by scripts/clients/setup-venvs.sh."""
 
 from __future__ import annotations
 
@@ -87,6 +90,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1, help="both sides this many times in turn; the median ratio is reported")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.model is None:
@@ -100,20 +104,30 @@ def main() -> int:
     code = VLLM_SIDE
     if shim.is_file():  # the vllm-cpu distribution's package metadata (see the shim)
         code = f"exec(compile(open({str(shim)!r}).read().split('if __name__')[0], 'shim', 'exec'))\n" + code
-    res = subprocess.run([args.vllm_python, "-c", code, args.model, args.batches, str(args.prompt_len), str(args.new_tokens), str(args.repeats)],
-                         capture_output=True, text=True, env=env, timeout=3600)
-    line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
-    if res.returncode or not line:
-        raise SystemExit(f"the vLLM side failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
-    vllm = {int(k): v for k, v in json.loads(line[0][7:]).items()}
-    afd = afd_side(args.model, batches, args.prompt_len, args.new_tokens, args.repeats)
+    rounds = []
+    for r in range(args.rounds):
+        print(f"round {r + 1} of {args.rounds}: vLLM, then afd", flush=True)
+        res = subprocess.run([args.vllm_python, "-c", code, args.model, args.batches, str(args.prompt_len), str(args.new_tokens), str(args.repeats)],
+                             capture_output=True, text=True, env=env, timeout=3600)
+        line = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
+        if res.returncode or not line:
+            raise SystemExit(f"the vLLM side failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+        vllm = {int(k): v for k, v in json.loads(line[0][7:]).items()}
+        rounds.append({"vllm": vllm, "afd": afd_side(args.model, batches, args.prompt_len, args.new_tokens, args.repeats)})
     print(f"\noffline, greedy, prompt {args.prompt_len} + {args.new_tokens} new tokens, fp32, one thread; output tok/s (median of {args.repeats})")
-    names = list(afd)
-    print(f"{'batch':>5} {'vLLM LLM':>9} " + " ".join(f"{'afd ' + n:>16} {'/ vLLM':>7}" for n in names))
+    names = list(rounds[0]["afd"])
+    print(f"{'batch':>5} {'round':>5} {'vLLM LLM':>9} " + " ".join(f"{'afd ' + n:>16} {'/ vLLM':>7}" for n in names))
     for b in batches:
-        print(f"{b:5d} {vllm[b]:9.1f} " + " ".join(f"{afd[n][b]:16.1f} {afd[n][b] / vllm[b]:6.2f}x" for n in names))
+        for r, got in enumerate(rounds):
+            vllm, afd = got["vllm"], got["afd"]
+            print(f"{b:5d} {r:5d} {vllm[b]:9.1f} " + " ".join(f"{afd[n][b]:16.1f} {afd[n][b] / vllm[b]:6.2f}x" for n in names))
+    if args.rounds > 1:
+        print("\nmedian over rounds of afd / vLLM:")
+        for b in batches:
+            print(f"batch {b:3d}: " + ", ".join(
+                f"{n} {statistics.median(g['afd'][n][b] / g['vllm'][b] for g in rounds):.2f}x" for n in names))
     if args.json:
-        Path(args.json).write_text(json.dumps({"vllm": vllm, "afd": afd}, indent=1))
+        Path(args.json).write_text(json.dumps(rounds, indent=1))
     return 0
 
 
