@@ -54,14 +54,28 @@ def run(args: argparse.Namespace) -> int:
     topology = topology_from_args(args, load_model_config(model_dir).moe.num_experts)
     if topology is None and args.trace:
         raise ValueError("--trace records the disaggregated runtime: add topology flags (e.g. --attention-ranks 1 --ffn-ranks 1)")
-    if topology is None:  # the same front end as a server's, over the engine on a thread of this process
+    progress = not args.no_progress and sys.stderr.isatty()
+    if topology is None and args.capture:  # the capture hooks are on an engine of this process: run it on a thread here
         from afd.serving.frontend import LocalReplicas, run_offline
 
         engine = monolithic_engine(args, model_dir)
         log.info("monolithic: model %s (%s), dtype %s, %s", model_dir, engine.model.config.architecture, engine.config.dtype, engine.config.cache)
-        capture = str(Path(args.capture) / "monolithic.safetensors") if args.capture else None
-        outputs = run_offline(LocalReplicas(engine, capture=capture), engine.tokenizer, args.prompt, params,
-                              progress=not args.no_progress and sys.stderr.isatty())
+        outputs = run_offline(LocalReplicas(engine, capture=str(Path(args.capture) / "monolithic.safetensors")), engine.tokenizer,
+                              args.prompt, params, progress=progress)
+    elif topology is None:  # a server's front end and engine-core process: the step loop shares no GIL with the text work
+        from afd.cli.common import device_arg
+        from afd.engine.core import CoreSpec, EngineCoreProcess
+        from afd.engine.tokenizer import Tokenizer
+        from afd.serving.frontend import CoreReplicas, run_offline
+
+        tokenizer = Tokenizer(model_dir)
+        core = EngineCoreProcess(CoreSpec(model_dir, common_engine_args(args), device_arg(args.device)))
+        try:
+            print(f"afd: {core.ready.limits}", file=sys.stderr, flush=True)
+            log.info("monolithic: model %s, engine core pid %d", model_dir, core.pid)
+            outputs = run_offline(CoreReplicas(core), tokenizer, args.prompt, params, progress=progress)
+        finally:
+            core.close(10.0)
     else:
         cluster = cluster_from_args(args, model_dir, topology, common_engine_args(args))
         log.info("disaggregated: model %s, %s, %s", model_dir, topology, cluster.pipeline)
@@ -76,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
                 for rank in range(len(cluster.attention_ranks())):
                     cluster.request(rank, ("trace", True), "trace")
             outputs = cluster.generate(args.prompt, params, capture_dir=args.capture,
-                                       progress=not args.no_progress and sys.stderr.isatty())
+                                       progress=progress)
             attention_traces = {
                 r.spec.name: cluster.request(i, ("get_trace", None), "get_trace")[0]
                 for i, r in enumerate(cluster.attention_ranks())
