@@ -27,11 +27,7 @@
 #include <cstring>
 #include <vector>
 
-// small_linear.cpp
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
-bool small_gemm(const float* x, int64_t rows, int64_t k_len, const at::Tensor& weight, float* out);
-bool small_linear_vectorized();
-int64_t small_linear_max_rows(at::ScalarType dtype);
+#include "small_linear.h"
 
 namespace {
 
@@ -97,9 +93,8 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
   const auto index_options = at::TensorOptions().dtype(at::kLong);
   const int64_t most = per_expert.empty() ? 0 : *std::max_element(per_expert.begin(), per_expert.end());
   const auto dtype = x.scalar_type();
-  if (small_linear_vectorized() && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
-      gate_up.scalar_type() == dtype && down.scalar_type() == dtype && gate_up.is_contiguous() && down.is_contiguous() &&
-      most <= small_linear_max_rows(dtype))
+  if (small_linear_takes(dtype, most) && gate_up.scalar_type() == dtype && down.scalar_type() == dtype &&
+      gate_up.is_contiguous() && down.is_contiguous())
     return {experts_in_place(x, weights, gate_up, down, count, rows, k, most), at::tensor(per_expert, index_options)};
   auto out = at::zeros({num_tokens * k, x.size(1)}, x.options());  // one row per (token, slot)
   const at::Tensor flat_weights = weights.reshape({-1});

@@ -10,9 +10,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
 
 bool paged_decode_vectorized();
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
-bool small_linear_vectorized();
-int64_t small_linear_max_rows();
+#include "small_linear.h"
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 

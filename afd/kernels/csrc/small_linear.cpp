@@ -23,6 +23,7 @@
 #include <algorithm>
 
 #include "simd.h"
+#include "small_linear.h"
 
 namespace {
 
@@ -32,20 +33,11 @@ namespace {
 // float32 FMAs (measured at V2-Lite's shapes: 0.8-0.9x at 8 rows, 1.2-2.2x at 1-4).
 constexpr int64_t kMaxRows = 16;
 constexpr int64_t kMaxHalfRows = 4;
-#ifndef AFD_PF
-#define AFD_PF 8
-#endif
-constexpr int64_t kPrefetchRows = AFD_PF;
+constexpr int64_t kPrefetchRows = 8;  // 4-16 measured alike; none at all: 1.1-1.4x MKL at 8 rows, not 1.6-1.9x
 
 #if defined(AFD_AVX512)
 using afd_simd::load16;
 using afd_simd::tail_mask;
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // MT rows of x (float32) against NT rows of W: out[m * ldo + n] = <x_m, w_n>. While it runs, the NT rows
 // kPrefetchRows further on are asked for, a cache line per row per step: with several FMAs per weight the
@@ -131,7 +123,14 @@ void gemm(const float* x, int64_t rows, int64_t k_len, const W* w, int64_t n_len
 
 }  // namespace
 
-int64_t small_linear_max_rows(at::ScalarType dtype) { return dtype == at::kFloat ? kMaxRows : kMaxHalfRows; }
+bool small_linear_takes(at::ScalarType dtype, int64_t rows) {
+#if defined(AFD_AVX512)
+  const bool half = dtype == at::kBFloat16 || dtype == at::kHalf;
+  return (dtype == at::kFloat || half) && rows >= 1 && rows <= (half ? kMaxHalfRows : kMaxRows);
+#else
+  return false;
+#endif
+}
 
 bool small_gemm(const float* x, int64_t rows, int64_t k_len, const at::Tensor& weight, float* out) {
 #if defined(AFD_AVX512)
@@ -165,10 +164,8 @@ int64_t small_linear_max_rows() { return kMaxRows; }
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
 #if defined(AFD_AVX512)
   const auto dtype = x.scalar_type();
-  const bool applies = x.device().is_cpu() && x.dim() == 2 && weight.dim() == 2 && x.size(0) >= 1 &&
-                       x.size(0) <= small_linear_max_rows(dtype) &&
+  const bool applies = x.device().is_cpu() && x.dim() == 2 && weight.dim() == 2 && small_linear_takes(dtype, x.size(0)) &&
                        x.size(1) == weight.size(1) && weight.scalar_type() == dtype && weight.is_contiguous() &&
-                       (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
                        (!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0)));
   if (!applies) return at::linear(x, weight, bias);
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
