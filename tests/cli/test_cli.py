@@ -29,6 +29,22 @@ def test_generate_json_equals_the_engine(checkpoints):
     assert [r["text"] for r in rows] == [engine.tokenizer.decode(r.token_ids) for r in ref]
 
 
+def test_monolithic_generate_steps_in_an_engine_core_process():
+    """Counted: the engine that steps is another process (the engine core, as afd serve's), not a thread of the
+    command, and it is gone when the command returns."""
+    import re
+
+    proc = subprocess.Popen([sys.executable, "-m", "afd.cli.main", "-v", "generate", "--prompt", "ROMEO:", "--max-tokens", "4",
+                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "AFD_NUM_THREADS": "1"})
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert out.startswith("ROMEO:")
+    pids = [int(p) for p in re.findall(r"engine core pid (\d+)", err)]
+    assert len(pids) == 1 and pids[0] != proc.pid, err
+    assert not os.path.exists(f"/proc/{pids[0]}")  # stopped with the command (its parent), not left behind
+
+
 def test_generate_errors_are_one_line_and_nonzero(tmp_path):
     res = afd("generate", str(tmp_path / "missing"), "--prompt", "x", check=False)
     assert res.returncode == 2
