@@ -308,3 +308,14 @@ def run_processes(run_id: str) -> dict[int, str]:
         if f"AFD_RUN_ID={run_id}".encode() in env:
             found[int(pid)] = comm
     return found
+
+
+def expected_simd() -> str:
+    """The register tiles afd/kernels must have built on this CPU, read from its flags (not from the build):
+    "avx512" (F, BW, VL), "avx2" (with FMA and F16C) or "none"."""
+    from afd.kernels import _cpu_flags
+
+    flags = set(_cpu_flags().split())
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "none"

@@ -97,6 +97,6 @@ def main() -> int:
     """``python -m afd.kernels``: build (or find) the kernels now, and say which (``make setup`` runs it)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     built = ops()
-    print(f"afd kernels: {built.__name__} at {built.__file__}" if built is not None
+    print(f"afd kernels: {built.__name__} ({built.simd} register tiles) at {built.__file__}" if built is not None
           else "afd kernels: not built (see the warning above); the pure-torch paths will run")
     return 0

@@ -53,7 +53,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     The native kernel where it applies (CPU tensors of one dtype, contiguous caches), else the reference."""
     kernels = native_ops() if q.device.type == "cpu" else None
     if kernels is not None and q.dtype != torch.float32 and not kernels.paged_decode_vectorized:
-        kernels = None  # half precision without AVX-512: scalar conversions, slower than the batched matmuls below
+        kernels = None  # half precision without AVX-512 or AVX2: scalar conversions, slower than the batched matmuls below
     if (kernels is not None and k_cache.dtype == q.dtype and k_cache.is_contiguous()
             and (v_cache is None or (v_cache.dtype == q.dtype and v_cache.is_contiguous()))):
         empty = k_cache.new_empty(0)

@@ -77,7 +77,7 @@ def test_decode_sized_experts_run_no_aten_op_per_expert():
     experts = make_experts(list(range(8)))
     ids, weights = routing(8, 2, 8)
     decode = _aten_ops(lambda: experts(torch.randn(8, 24), ids, weights))
-    if native_ops().small_linear_vectorized:  # built with AVX-512 (test_the_native_linear_is_built_here: wherever it can be)
+    if native_ops().small_linear_vectorized:  # AVX-512 or AVX2 tiles (test_the_native_linear_is_built_here: wherever they can be)
         assert not decode & per_expert_ops, decode
     else:
         assert per_expert_ops <= decode, decode

@@ -1,13 +1,13 @@
 // The routed experts a process holds, in one call, in one of two ways:
 //
-// * Decode sizes (every expert's rows within small_linear.cpp's reach, AVX-512): the whole expert loop in
+// * Decode sizes (every expert's rows within small_linear.cpp's reach, AVX-512 or AVX2): the whole expert loop in
 //   plain C++ over float32 scratch buffers. Per expert: gather its rows, the gate/up product, SwiGLU, the
 //   down product, each row weighted and added into its token's output, with no ATen op between. At decode
 //   an expert gets 1-8 rows, and the ~8 ATen ops around its two GEMMs (gather, silu, mul, weighting, scatter,
 //   the final sum over slots) had cost as much as the GEMMs. Intermediates stay in float32, so in half
 //   precision this path rounds once, at the end (the Python loop rounds after every op): it agrees with the
 //   loop to the loop's own rounding, not bit for bit.
-// * Otherwise (prefill, or no AVX-512): the same ATen ops, in the same order, as GroupedExperts.reference's
+// * Otherwise (prefill, or neither instruction set): the same ATen ops, in the same order, as GroupedExperts.reference's
 //   per-expert loop (afd/models/layers.py), without a Python round trip per op, so bit for bit its output
 //   (its GEMMs are small_linear's, which the loop's ``linear`` calls too).
 //

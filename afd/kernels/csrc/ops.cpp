@@ -1,6 +1,8 @@
 // The Python module of afd's CPU kernels: one binding per op, each op in a file of its own.
 #include <torch/extension.h>
 
+#include "simd.h"
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
                                   double scale, int64_t value_dim);
@@ -17,6 +19,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("simd") = pybind11::str(AFD_SIMD_NAME);  // the register tiles built here: "avx512", "avx2" or "none" (simd.h)
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention read in place from the paged KV cache (paged_decode.cpp)");
   m.attr("paged_decode_vectorized") = pybind11::bool_(paged_decode_vectorized());

@@ -56,45 +56,55 @@ void value_block(float* acc, int64_t g, int64_t dv, const T* const* values, int6
     }
 }
 
-#if defined(AFD_AVX512)
-// AVX-512: register tiles, so that each vector loaded from the cache feeds several FMAs (the plain loops
-// above load a query and a key per FMA and reduce every dot product on its own). The cache may be float32,
-// bfloat16 or float16, widened in registers (simd.h).
-using afd_simd::load16;
-using afd_simd::tail_mask;
+#if defined(AFD_SIMD)
+// Register tiles (simd.h: AVX-512 or AVX2), so that each vector loaded from the cache feeds several FMAs (the
+// plain loops above load a query and a key per FMA and reduce every dot product on its own). The cache may be
+// float32, bfloat16 or float16, widened in registers.
+using afd_simd::vfloat;
 
-// 4 heads x 4 key rows: 16 accumulators, 8 loads per 16 FMAs. Rows past the valid ones repeat a valid
-// pointer (their results are dropped by the caller).
+// 4 heads x KJ key rows: 4 * KJ accumulators, 4 + KJ loads per 4 * KJ FMAs (KJ = 4 with AVX-512's 32
+// registers, 2 with AVX2's 16). Rows past the valid ones repeat a valid pointer (the caller drops them).
+constexpr int kScoreRows = afd_simd::kRegisters >= 32 ? 4 : 2;
+
 template <typename T>
-inline void score_tile(const float* const* qs, const T* const* ks, int64_t dk, float out[4][4]) {
-  __m512 acc[4][4];
+inline void score_tile(const float* const* qs, const T* const* ks, int64_t dk, float out[4][kScoreRows]) {
+  vfloat acc[4][kScoreRows];
   for (int h = 0; h < 4; ++h)
-    for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < dk; i += 16) {
-    const __mmask16 m = tail_mask(dk - i);
-    __m512 kv[4];
-    for (int j = 0; j < 4; ++j) kv[j] = load16(ks[j] + i, m);
+    for (int j = 0; j < kScoreRows; ++j) acc[h][j] = afd_simd::zero();
+  int64_t i = 0;
+  for (; i + afd_simd::kLanes <= dk; i += afd_simd::kLanes) {
+    vfloat kv[kScoreRows];
+    for (int j = 0; j < kScoreRows; ++j) kv[j] = afd_simd::load(ks[j] + i);
     for (int h = 0; h < 4; ++h) {
-      const __m512 qv = _mm512_maskz_loadu_ps(m, qs[h] + i);
-      for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_fmadd_ps(qv, kv[j], acc[h][j]);
+      const vfloat qv = afd_simd::load(qs[h] + i);
+      for (int j = 0; j < kScoreRows; ++j) acc[h][j] = afd_simd::fmadd(qv, kv[j], acc[h][j]);
+    }
+  }
+  if (i < dk) {
+    const auto t = afd_simd::tail(dk - i);
+    vfloat kv[kScoreRows];
+    for (int j = 0; j < kScoreRows; ++j) kv[j] = afd_simd::load(ks[j] + i, t);
+    for (int h = 0; h < 4; ++h) {
+      const vfloat qv = afd_simd::load(qs[h] + i, t);
+      for (int j = 0; j < kScoreRows; ++j) acc[h][j] = afd_simd::fmadd(qv, kv[j], acc[h][j]);
     }
   }
   for (int h = 0; h < 4; ++h)
-    for (int j = 0; j < 4; ++j) out[h][j] = _mm512_reduce_add_ps(acc[h][j]);
+    for (int j = 0; j < kScoreRows; ++j) out[h][j] = afd_simd::reduce_add(acc[h][j]);
 }
 
 template <typename T>
-void score_block_avx512(const float* q, int64_t g, int64_t dk, const T* const* keys, int64_t n, float scale, float* scores,
-                        int64_t ld) {
-  float tile[4][4];
+void score_block_simd(const float* q, int64_t g, int64_t dk, const T* const* keys, int64_t n, float scale, float* scores,
+                      int64_t ld) {
+  float tile[4][kScoreRows];
   for (int64_t h0 = 0; h0 < g; h0 += 4) {
     const int64_t nh = std::min<int64_t>(4, g - h0);
     const float* qs[4];
     for (int64_t h = 0; h < 4; ++h) qs[h] = q + (h0 + std::min(h, nh - 1)) * dk;
-    for (int64_t j0 = 0; j0 < n; j0 += 4) {
-      const int64_t nj = std::min<int64_t>(4, n - j0);
-      const T* ks[4];
-      for (int64_t j = 0; j < 4; ++j) ks[j] = keys[j0 + std::min(j, nj - 1)];
+    for (int64_t j0 = 0; j0 < n; j0 += kScoreRows) {
+      const int64_t nj = std::min<int64_t>(kScoreRows, n - j0);
+      const T* ks[kScoreRows];
+      for (int64_t j = 0; j < kScoreRows; ++j) ks[j] = keys[j0 + std::min(j, nj - 1)];
       score_tile(qs, ks, dk, tile);
       for (int64_t h = 0; h < nh; ++h)
         for (int64_t j = 0; j < nj; ++j) scores[(h0 + h) * ld + j0 + j] = tile[h][j] * scale;
@@ -102,23 +112,23 @@ void score_block_avx512(const float* q, int64_t g, int64_t dk, const T* const* k
   }
 }
 
-// NH heads x 16 channels of the output held in registers over every row of the block.
+// NH heads x one vector of channels of the output held in registers over every row of the block.
 template <int NH, typename T>
 inline void value_tile(float* acc, int64_t dv, const T* const* values, int64_t n, const float* probs, int64_t ld) {
-  for (int64_t c = 0; c < dv; c += 16) {
-    const __mmask16 m = tail_mask(dv - c);
-    __m512 a[NH];
-    for (int h = 0; h < NH; ++h) a[h] = _mm512_maskz_loadu_ps(m, acc + h * dv + c);
+  for (int64_t c = 0; c < dv; c += afd_simd::kLanes) {
+    const auto t = afd_simd::tail(dv - c);
+    vfloat a[NH];
+    for (int h = 0; h < NH; ++h) a[h] = afd_simd::load(acc + h * dv + c, t);
     for (int64_t j = 0; j < n; ++j) {
-      const __m512 v = load16(values[j] + c, m);
-      for (int h = 0; h < NH; ++h) a[h] = _mm512_fmadd_ps(_mm512_set1_ps(probs[h * ld + j]), v, a[h]);
+      const vfloat v = afd_simd::load(values[j] + c, t);
+      for (int h = 0; h < NH; ++h) a[h] = afd_simd::fmadd(afd_simd::set1(probs[h * ld + j]), v, a[h]);
     }
-    for (int h = 0; h < NH; ++h) _mm512_mask_storeu_ps(acc + h * dv + c, m, a[h]);
+    for (int h = 0; h < NH; ++h) afd_simd::store(acc + h * dv + c, a[h], t);
   }
 }
 
 template <typename T>
-void value_block_avx512(float* acc, int64_t g, int64_t dv, const T* const* values, int64_t n, const float* probs, int64_t ld) {
+void value_block_simd(float* acc, int64_t g, int64_t dv, const T* const* values, int64_t n, const float* probs, int64_t ld) {
   int64_t h0 = 0;
   for (; h0 + 4 <= g; h0 += 4) value_tile<4>(acc + h0 * dv, dv, values, n, probs + h0 * ld, ld);
   switch (g - h0) {
@@ -129,20 +139,20 @@ void value_block_avx512(float* acc, int64_t g, int64_t dv, const T* const* value
   }
 }
 
-#define AFD_AVX512_TYPES(T)                                                                                            \
+#define AFD_SIMD_TYPES(T)                                                                                            \
   template <>                                                                                                          \
   void score_block<T>(const float* q, int64_t g, int64_t dk, const T* const* keys, int64_t n, float scale, float* scores, \
                       int64_t ld) {                                                                                    \
-    score_block_avx512<T>(q, g, dk, keys, n, scale, scores, ld);                                                       \
+    score_block_simd<T>(q, g, dk, keys, n, scale, scores, ld);                                                       \
   }                                                                                                                    \
   template <>                                                                                                          \
   void value_block<T>(float* acc, int64_t g, int64_t dv, const T* const* values, int64_t n, const float* probs, int64_t ld) { \
-    value_block_avx512<T>(acc, g, dv, values, n, probs, ld);                                                           \
+    value_block_simd<T>(acc, g, dv, values, n, probs, ld);                                                           \
   }
-AFD_AVX512_TYPES(float)
-AFD_AVX512_TYPES(c10::BFloat16)
-AFD_AVX512_TYPES(c10::Half)
-#undef AFD_AVX512_TYPES
+AFD_SIMD_TYPES(float)
+AFD_SIMD_TYPES(c10::BFloat16)
+AFD_SIMD_TYPES(c10::Half)
+#undef AFD_SIMD_TYPES
 #endif
 
 inline void scale_inplace(float* __restrict y, float a, int64_t n) {
@@ -194,10 +204,10 @@ void decode_one(const T* q,             // [G, Dk]: the query heads sharing key 
 
 }  // namespace
 
-// Whether the register-tiled path was compiled (an AVX-512 machine). Without it, half-precision caches go
-// through scalar conversions, slower than torch's batched matmuls: the caller keeps those on the torch path.
+// Whether the register-tiled path was compiled (an AVX-512 or AVX2 machine). Without it, half-precision caches
+// go through scalar conversions, slower than torch's batched matmuls: the caller keeps those on the torch path.
 bool paged_decode_vectorized() {
-#if defined(AFD_AVX512)
+#if defined(AFD_SIMD)
   return true;
 #else
   return false;

@@ -35,40 +35,45 @@ constexpr int64_t kMaxRows = 16;
 constexpr int64_t kMaxHalfRows = 4;
 constexpr int64_t kPrefetchRows = 8;  // 4-16 measured alike; none at all: 1.1-1.4x MKL at 8 rows, not 1.6-1.9x
 
-#if defined(AFD_AVX512)
-using afd_simd::load16;
-using afd_simd::tail_mask;
+#if defined(AFD_SIMD)
+using afd_simd::vfloat;
 
 // MT rows of x (float32) against NT rows of W: out[m * ldo + n] = <x_m, w_n>. While it runs, the NT rows
-// kPrefetchRows further on are asked for, a cache line per row per step: with several FMAs per weight the
-// hardware prefetcher alone falls behind (an 8-row product ran at 5 GB/s from memory, 70 GFLOP/s from L1).
+// kPrefetchRows further on are asked for, a cache line per row per line of W consumed: with several FMAs per
+// weight the hardware prefetcher alone falls behind (an 8-row product ran at 5 GB/s from memory, 70 GFLOP/s
+// from L1, AVX-512).
 template <int MT, int NT, typename W>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t k_len, float* out, int64_t ldo) {
+  constexpr int64_t kLine = 64 / sizeof(W), kSteps = kLine / afd_simd::kLanes;  // vectors of W per cache line
   const char* ahead = reinterpret_cast<const char*>(w + kPrefetchRows * ldw);
-  __m512 acc[MT][NT];
+  vfloat acc[MT][NT];
   for (int m = 0; m < MT; ++m)
-    for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_setzero_ps();
+    for (int n = 0; n < NT; ++n) acc[m][n] = afd_simd::zero();
+  const auto step = [&](int64_t k) {
+    vfloat wv[NT];
+    for (int n = 0; n < NT; ++n) wv[n] = afd_simd::load(w + n * ldw + k);
+    for (int m = 0; m < MT; ++m) {
+      const vfloat xv = afd_simd::load(x + m * ldx + k);
+      for (int n = 0; n < NT; ++n) acc[m][n] = afd_simd::fmadd(xv, wv[n], acc[m][n]);
+    }
+  };
   int64_t k = 0;
-  for (; k + 16 <= k_len; k += 16) {
-    __m512 wv[NT];
+  for (; k + kLine <= k_len; k += kLine) {
     for (int n = 0; n < NT; ++n) _mm_prefetch(ahead + (n * ldw + k) * sizeof(W), _MM_HINT_T0);
-    for (int n = 0; n < NT; ++n) wv[n] = load16(w + n * ldw + k);
-    for (int m = 0; m < MT; ++m) {
-      const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
-      for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
-    }
+    for (int64_t s = 0; s < kSteps; ++s) step(k + s * afd_simd::kLanes);
   }
+  for (; k + afd_simd::kLanes <= k_len; k += afd_simd::kLanes) step(k);
   if (k < k_len) {
-    const __mmask16 mask = tail_mask(k_len - k);
-    __m512 wv[NT];
-    for (int n = 0; n < NT; ++n) wv[n] = load16(w + n * ldw + k, mask);
+    const auto t = afd_simd::tail(k_len - k);
+    vfloat wv[NT];
+    for (int n = 0; n < NT; ++n) wv[n] = afd_simd::load(w + n * ldw + k, t);
     for (int m = 0; m < MT; ++m) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * ldx + k);
-      for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
+      const vfloat xv = afd_simd::load(x + m * ldx + k, t);
+      for (int n = 0; n < NT; ++n) acc[m][n] = afd_simd::fmadd(xv, wv[n], acc[m][n]);
     }
   }
   for (int m = 0; m < MT; ++m)
-    for (int n = 0; n < NT; ++n) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m][n]);
+    for (int n = 0; n < NT; ++n) out[m * ldo + n] = afd_simd::reduce_add(acc[m][n]);
 }
 
 // mt (1..MAX_MT) rows of x against NT rows of W.
@@ -92,39 +97,58 @@ inline void tile_rows(int64_t mt, const float* x, int64_t ldx, const W* w, int64
   }
 }
 
-// out [M, N] float32 = x [M, K] float32 . W [N, K]^T. Tiles: up to 8 rows of x; NT rows of W as registers
-// allow (MT * NT accumulators + MT + NT operands within 32 registers).
-template <typename W>
-void gemm(const float* x, int64_t rows, int64_t k_len, const W* w, int64_t n_len, float* out) {
-  const int64_t nt = rows <= 1 ? 8 : rows <= 4 ? 4 : 2;
+// Tiles: MT rows of x by NT rows of W, MT * NT accumulators + NT weight vectors + one x vector within the
+// registers (32 with AVX-512, 16 with AVX2). One row of x takes the widest NT; a few rows a square tile; more
+// rows the narrowest NT with the most rows per tile, the W tile staying in L1 while row tiles pass over it.
+struct TileShape {
+  int nt, mt;
+};
+constexpr bool kWide = afd_simd::kRegisters >= 32;
+constexpr TileShape kOneRow = kWide ? TileShape{8, 1} : TileShape{4, 1};
+constexpr TileShape kFewRows = kWide ? TileShape{4, 4} : TileShape{4, 2};
+constexpr TileShape kManyRows = kWide ? TileShape{2, 8} : TileShape{2, 6};
+static_assert(kManyRows.mt * kManyRows.nt + kManyRows.nt + 1 <= afd_simd::kRegisters, "a tile that spills");
+static_assert(kFewRows.mt * kFewRows.nt + kFewRows.nt + 1 <= afd_simd::kRegisters, "a tile that spills");
+
+template <int NT, int MT, typename W>
+void gemm_tiles(const float* x, int64_t rows, int64_t k_len, const W* w, int64_t n_len, float* out) {
+  constexpr int64_t nt = NT;
   const int64_t blocks = (n_len + nt - 1) / nt;
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (nt * k_len * static_cast<int64_t>(sizeof(W))));  // >= 64 KB of W a task
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * nt, nn = std::min(nt, n_len - n0);
-      for (int64_t m0 = 0; m0 < rows; m0 += 8) {  // the W tile stays in L1 over the row tiles
-        const int64_t mt = std::min<int64_t>(8, rows - m0);
+      for (int64_t m0 = 0; m0 < rows; m0 += MT) {
+        const int64_t mt = std::min<int64_t>(MT, rows - m0);
         const float* xm = x + m0 * k_len;
         float* om = out + m0 * n_len + n0;
-        if (nn == nt && nt == 8) {
-          tile_rows<8, 1>(mt, xm, k_len, w + n0 * k_len, k_len, k_len, om, n_len);
-        } else if (nn == nt && nt == 4) {
-          tile_rows<4, 4>(mt, xm, k_len, w + n0 * k_len, k_len, k_len, om, n_len);
-        } else if (nn == nt) {
-          tile_rows<2, 8>(mt, xm, k_len, w + n0 * k_len, k_len, k_len, om, n_len);
+        if (nn == nt) {
+          tile_rows<NT, MT>(mt, xm, k_len, w + n0 * k_len, k_len, k_len, om, n_len);
         } else {
-          for (int64_t n = n0; n < n0 + nn; ++n) tile_rows<1, 8>(mt, xm, k_len, w + n * k_len, k_len, k_len, om + (n - n0), n_len);
+          for (int64_t n = n0; n < n0 + nn; ++n) tile_rows<1, MT>(mt, xm, k_len, w + n * k_len, k_len, k_len, om + (n - n0), n_len);
         }
       }
     }
   });
+}
+
+// out [M, N] float32 = x [M, K] float32 . W [N, K]^T.
+template <typename W>
+void gemm(const float* x, int64_t rows, int64_t k_len, const W* w, int64_t n_len, float* out) {
+  if (rows <= kOneRow.mt) {
+    gemm_tiles<kOneRow.nt, kOneRow.mt>(x, rows, k_len, w, n_len, out);
+  } else if (rows <= kFewRows.mt) {
+    gemm_tiles<kFewRows.nt, kFewRows.mt>(x, rows, k_len, w, n_len, out);
+  } else {
+    gemm_tiles<kManyRows.nt, kManyRows.mt>(x, rows, k_len, w, n_len, out);
+  }
 }
 #endif
 
 }  // namespace
 
 bool small_linear_takes(at::ScalarType dtype, int64_t rows) {
-#if defined(AFD_AVX512)
+#if defined(AFD_SIMD)
   const bool half = dtype == at::kBFloat16 || dtype == at::kHalf;
   return (dtype == at::kFloat || half) && rows >= 1 && rows <= (half ? kMaxHalfRows : kMaxRows);
 #else
@@ -133,7 +157,7 @@ bool small_linear_takes(at::ScalarType dtype, int64_t rows) {
 }
 
 bool small_gemm(const float* x, int64_t rows, int64_t k_len, const at::Tensor& weight, float* out) {
-#if defined(AFD_AVX512)
+#if defined(AFD_SIMD)
   const auto dtype = weight.scalar_type();
   if (weight.dim() != 2 || weight.size(1) != k_len || !weight.is_contiguous()) return false;
   if (dtype == at::kFloat) {
@@ -152,7 +176,7 @@ bool small_gemm(const float* x, int64_t rows, int64_t k_len, const at::Tensor& w
 }
 
 bool small_linear_vectorized() {
-#if defined(AFD_AVX512)
+#if defined(AFD_SIMD)
   return true;
 #else
   return false;
@@ -162,7 +186,7 @@ bool small_linear_vectorized() {
 int64_t small_linear_max_rows() { return kMaxRows; }
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-#if defined(AFD_AVX512)
+#if defined(AFD_SIMD)
   const auto dtype = x.scalar_type();
   const bool applies = x.device().is_cpu() && x.dim() == 2 && weight.dim() == 2 && small_linear_takes(dtype, x.size(0)) &&
                        x.size(1) == weight.size(1) && weight.scalar_type() == dtype && weight.is_contiguous() &&

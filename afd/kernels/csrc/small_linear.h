@@ -6,13 +6,13 @@
 // y = x W^T + b: a few rows of x read W once, in place; other inputs go to at::linear.
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
-// Whether small_linear takes `rows` rows of `dtype` itself (the AVX-512 build, float32 up to 16 rows, half
-// precision up to 4) rather than passing them on to at::linear.
+// Whether small_linear takes `rows` rows of `dtype` itself (a build with simd.h's register tiles, float32 and
+// half precision up to their row limits) rather than passing them on to at::linear.
 bool small_linear_takes(at::ScalarType dtype, int64_t rows);
 
 // out [rows, N] float32 = x [rows, K] float32 . weight [N, K]^T, weight contiguous in weight's dtype; for rows
-// that small_linear_takes. False where it cannot (no AVX-512 build, another layout or dtype).
+// that small_linear_takes. False where it cannot (no register tiles built, another layout or dtype).
 bool small_gemm(const float* x, int64_t rows, int64_t k_len, const at::Tensor& weight, float* out);
 
-bool small_linear_vectorized();  // built with the AVX-512 tiles
+bool small_linear_vectorized();  // built with simd.h's register tiles (AVX-512 or AVX2)
 int64_t small_linear_max_rows();  // the most float32 rows it takes
