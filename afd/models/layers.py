@@ -24,7 +24,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``GroupedExperts.reference`` calls it as moe_experts.cpp does, so past decode sizes the two agree bit for bit."""
     if x.device.type == "cpu" and x.dim() == 2:
         kernels = native_ops()
-        if kernels is not None and x.shape[0] <= kernels.small_linear_max_rows:
+        if kernels is not None and x.shape[0] <= (
+                kernels.small_linear_max_rows if x.dtype == torch.float32 else kernels.small_linear_max_half_rows):
             return kernels.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

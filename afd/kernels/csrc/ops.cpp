@@ -29,5 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
   m.attr("small_linear_vectorized") = pybind11::bool_(small_linear_vectorized());
   m.attr("small_linear_max_rows") = pybind11::int_(small_linear_max_rows());
+  m.attr("small_linear_max_half_rows") = pybind11::int_(small_linear_max_half_rows());
   m.def("moe_experts", &moe_experts, "the routed experts held here, one GEMM pair per expert (moe_experts.cpp)");
 }

@@ -21,18 +21,31 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "simd.h"
 #include "small_linear.h"
 
 namespace {
 
-// The most rows of x taken here (afd bench kernels compares both paths around them). Past 16 float32 rows
-// the BLAS path's packing pays for itself. Half precision stops at 4: from 8 rows up its product is
-// compute-bound, and oneDNN's bfloat16 dot-product instructions do twice the work of this kernel's widened
-// float32 FMAs (measured at V2-Lite's shapes: 0.8-0.9x at 8 rows, 1.2-2.2x at 1-4).
+// The most rows of x taken here (afd bench kernels compares both paths around them), past which the BLAS
+// path's packing pays for itself. float32: 16 rows with AVX-512 (1.0x MKL at 32 rows), 32 with AVX2, whose
+// MKL kernels are slower at these sizes (measured, one thread, this repo's shapes: 1.2-2.2x MKL at 8-16 rows,
+// 1.0-1.2x at 32, 0.8-1.0x at 48-64). Half precision: with bfloat16 dot-product instructions (AVX512_BF16)
+// 4 rows, since from 8 rows up the product is compute-bound and oneDNN's dot products do twice the work of
+// this kernel's widened float32 FMAs (0.8-0.9x at 8 rows, 1.2-2.2x at 1-4, V2-Lite's shapes); without them
+// torch's half-precision GEMM is emulated and this kernel is faster at every size (AVX2: 4.5-6x at 4-512
+// rows, bfloat16 and float16 alike), so it takes them all.
+#if defined(__AVX512F__)
 constexpr int64_t kMaxRows = 16;
+#else
+constexpr int64_t kMaxRows = 32;
+#endif
+#if defined(__AVX512BF16__)
 constexpr int64_t kMaxHalfRows = 4;
+#else
+constexpr int64_t kMaxHalfRows = std::numeric_limits<int64_t>::max();
+#endif
 constexpr int64_t kPrefetchRows = 8;  // 4-16 measured alike; none at all: 1.1-1.4x MKL at 8 rows, not 1.6-1.9x
 
 #if defined(AFD_SIMD)
@@ -184,6 +197,8 @@ bool small_linear_vectorized() {
 }
 
 int64_t small_linear_max_rows() { return kMaxRows; }
+
+int64_t small_linear_max_half_rows() { return kMaxHalfRows; }
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
 #if defined(AFD_SIMD)

@@ -15,4 +15,5 @@ bool small_linear_takes(at::ScalarType dtype, int64_t rows);
 bool small_gemm(const float* x, int64_t rows, int64_t k_len, const at::Tensor& weight, float* out);
 
 bool small_linear_vectorized();  // built with simd.h's register tiles (AVX-512 or AVX2)
-int64_t small_linear_max_rows();  // the most float32 rows it takes
+int64_t small_linear_max_rows();       // the most float32 rows it takes
+int64_t small_linear_max_half_rows();  // the most bfloat16 / float16 rows it takes
