@@ -128,17 +128,24 @@ void gemm_tiles(const float* x, int64_t rows, int64_t k_len, const W* w, int64_t
   constexpr int64_t nt = NT;
   const int64_t blocks = (n_len + nt - 1) / nt;
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (nt * k_len * static_cast<int64_t>(sizeof(W))));  // >= 64 KB of W a task
+  // Several row tiles: the W tiles of ~16 KB of W stay in L1 while every row tile passes over them (each row
+  // tile then meets its W from L1, and itself stays there over the W tiles), instead of all of x passing
+  // over each W tile from L2.
+  const int64_t chunk = std::max<int64_t>(1, (16 << 10) / (nt * k_len * static_cast<int64_t>(sizeof(W))));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * nt, nn = std::min(nt, n_len - n0);
+    for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
+      const int64_t c1 = std::min(b1, c0 + chunk);
       for (int64_t m0 = 0; m0 < rows; m0 += MT) {
         const int64_t mt = std::min<int64_t>(MT, rows - m0);
         const float* xm = x + m0 * k_len;
-        float* om = out + m0 * n_len + n0;
-        if (nn == nt) {
-          tile_rows<NT, MT>(mt, xm, k_len, w + n0 * k_len, k_len, k_len, om, n_len);
-        } else {
-          for (int64_t n = n0; n < n0 + nn; ++n) tile_rows<1, MT>(mt, xm, k_len, w + n * k_len, k_len, k_len, om + (n - n0), n_len);
+        for (int64_t b = c0; b < c1; ++b) {
+          const int64_t n0 = b * nt, nn = std::min(nt, n_len - n0);
+          float* om = out + m0 * n_len + n0;
+          if (nn == nt) {
+            tile_rows<NT, MT>(mt, xm, k_len, w + n0 * k_len, k_len, k_len, om, n_len);
+          } else {
+            for (int64_t n = n0; n < n0 + nn; ++n) tile_rows<1, MT>(mt, xm, k_len, w + n * k_len, k_len, k_len, om + (n - n0), n_len);
+          }
         }
       }
     }
