@@ -32,6 +32,10 @@
 
 namespace {
 
+// The key rows past a block that decode_one lists after the block's own (the next block's first rows, or
+// nullptr where there is none): what the register tiles prefetch while they score the block's last rows.
+constexpr int64_t kAheadRows = 4;
+
 // Scores of one block: scores[h * ld + j] = scale * <q_h, key_j> for G heads (q already float32) and n key rows.
 template <typename T>
 void score_block(const float* q, int64_t g, int64_t dk, const T* const* keys, int64_t n, float scale, float* scores, int64_t ld) {
@@ -64,15 +68,22 @@ using afd_simd::vfloat;
 
 // 4 heads x KJ key rows: 4 * KJ accumulators, 4 + KJ loads per 4 * KJ FMAs (KJ = 4 with AVX-512's 32
 // registers, 2 with AVX2's 16). Rows past the valid ones repeat a valid pointer (the caller drops them).
+// While a tile runs, the KJ key rows of the next one (`ahead`) are asked for, a cache line per row per line
+// consumed: a context is read once, from memory, and without it the loads of a tile waited on memory
+// latency (AVX2, 32 tokens x 1024 positions: ~3 GB/s of keys against a 10 GB/s plain read).
 constexpr int kScoreRows = afd_simd::kRegisters >= 32 ? 4 : 2;
+static_assert(kScoreRows <= kAheadRows, "the rows array holds kAheadRows rows past a block");
 
 template <typename T>
-inline void score_tile(const float* const* qs, const T* const* ks, int64_t dk, float out[4][kScoreRows]) {
+inline void score_tile(const float* const* qs, const T* const* ks, const T* const* ahead, int64_t dk, float out[4][kScoreRows]) {
+  constexpr int64_t kLine = 64 / sizeof(T);
   vfloat acc[4][kScoreRows];
   for (int h = 0; h < 4; ++h)
     for (int j = 0; j < kScoreRows; ++j) acc[h][j] = afd_simd::zero();
   int64_t i = 0;
   for (; i + afd_simd::kLanes <= dk; i += afd_simd::kLanes) {
+    if (i % kLine == 0)
+      for (int j = 0; j < kScoreRows; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead[j] + i), _MM_HINT_T0);
     vfloat kv[kScoreRows];
     for (int j = 0; j < kScoreRows; ++j) kv[j] = afd_simd::load(ks[j] + i);
     for (int h = 0; h < 4; ++h) {
@@ -104,8 +115,13 @@ void score_block_simd(const float* q, int64_t g, int64_t dk, const T* const* key
     for (int64_t j0 = 0; j0 < n; j0 += kScoreRows) {
       const int64_t nj = std::min<int64_t>(kScoreRows, n - j0);
       const T* ks[kScoreRows];
-      for (int64_t j = 0; j < kScoreRows; ++j) ks[j] = keys[j0 + std::min(j, nj - 1)];
-      score_tile(qs, ks, dk, tile);
+      const T* ahead[kScoreRows];
+      for (int64_t j = 0; j < kScoreRows; ++j) {
+        ks[j] = keys[j0 + std::min(j, nj - 1)];
+        const T* next = keys[std::min(j0 + kScoreRows + j, n + kScoreRows - 1)];  // this block's, or the next's
+        ahead[j] = next != nullptr ? next : ks[j];
+      }
+      score_tile(qs, ks, ahead, dk, tile);
       for (int64_t h = 0; h < nh; ++h)
         for (int64_t j = 0; j < nj; ++j) scores[(h0 + h) * ld + j0 + j] = tile[h][j] * scale;
     }
@@ -168,7 +184,8 @@ void decode_one(const T* q,             // [G, Dk]: the query heads sharing key 
                 float* acc,             // [G, Dv] scratch
                 float* scores,          // [G, block_size] scratch
                 float* qf,              // [G, Dk] scratch: the queries in float32, widened once
-                const T** rows, const T** values)  // [block_size] scratch: the block's key and value rows
+                const T** rows,         // [block_size + kAheadRows] scratch: the block's key rows, then the next block's first
+                const T** values)       // [block_size] scratch: the block's value rows
 {
   for (int64_t i = 0; i < g * dk; ++i) qf[i] = static_cast<float>(q[i]);
   std::vector<float> m(g, -std::numeric_limits<float>::infinity()), l(g, 0.f);
@@ -180,6 +197,8 @@ void decode_one(const T* q,             // [G, Dk]: the query heads sharing key 
       rows[j] = k_cache + ((base + j) * hk + kh) * dk;
       values[j] = values_in_keys ? rows[j] : v_cache + ((base + j) * hk + kh) * dv;
     }
+    const int64_t next = start + block_size, next_base = next < length ? table[next / block_size] * block_size : 0;
+    for (int64_t a = 0; a < kAheadRows; ++a) rows[n + a] = next + a < length ? k_cache + ((next_base + a) * hk + kh) * dk : nullptr;
     score_block<T>(qf, g, dk, rows, n, scale, scores, block_size);
     for (int64_t h = 0; h < g; ++h) {
       float* s = scores + h * block_size;
@@ -259,7 +278,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, d * hk, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(g * dv), scores(g * block_size), qf(g * dk);
-      std::vector<const scalar_t*> rows(block_size), values(block_size);
+      std::vector<const scalar_t*> rows(block_size + kAheadRows), values(block_size);
       for (int64_t w = begin; w < end; ++w) {
         const int64_t i = w / hk, kh = w % hk;
         decode_one<scalar_t>(qp + (i * hq + kh * g) * dk, kp, vp, hk, kh, dk, dv, values_in_keys, tables + i * width,
