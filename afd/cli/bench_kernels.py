@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(rows)
     speedups = [r["torch_ms"] / r["native_ms"] for r in results.values()]
     print(f"summary: {args.dtype}, torch threads {torch.get_num_threads()}, medians of {args.runs} alternating runs: "
-          f"native kernels {min(speedups):.2f}x-{max(speedups):.2f}x the torch paths")
+          f"native kernels ({ops().simd} register tiles) {min(speedups):.2f}x-{max(speedups):.2f}x the torch paths")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1))
     return 0

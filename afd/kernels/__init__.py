@@ -17,7 +17,8 @@ The build is torch's own extension builder (``torch.utils.cpp_extension.load``: 
 and ninja), keyed by a hash of the sources (their text and their place), the flags and the CPU's
 features, under torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``):
 the first process of a checkout on a machine pays ~40-60 s, concurrent processes wait for that one build,
-later ones load the library in ~0.2 s.
+later ones load the library in ~0.2 s. The kernels compute in register tiles for the widest vector set
+the CPU has, AVX-512 or AVX2 (``csrc/simd.h``); ``ops().simd`` names it (``"none"``: plain loops).
 ``make setup`` builds it, so a server's first start does not. ``AFD_KERNELS=0`` turns the kernels off;
 a build that fails is logged once as a warning and afd runs the pure-torch paths.
 """

@@ -198,7 +198,9 @@ def test_bench_kernels_times_each_native_kernel_against_its_torch_path(tmp_path)
     out = tmp_path / "kernels.json"
     res = afd("bench", "kernels", "--decode-tokens", "2", "--context", "40", "--heads", "4", "--tokens", "3", "--runs", "2",
               "--rows", "4", "--linears", "64x32", "--json", str(out))
-    assert "summary:" in res.stdout
+    from afd.kernels import ops
+
+    assert "summary:" in res.stdout and f"({ops().simd} register tiles)" in res.stdout
     data = json.loads(out.read_text())
     assert set(data) == {"decode attention D=2 L=40", "experts T=3", "linear M=4 N=64 K=32"}
     assert all(v["native_ms"] > 0 and v["torch_ms"] > 0 for v in data.values())
