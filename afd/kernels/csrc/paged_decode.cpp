@@ -198,7 +198,8 @@ void decode_one(const T* q,             // [G, Dk]: the query heads sharing key 
       values[j] = values_in_keys ? rows[j] : v_cache + ((base + j) * hk + kh) * dv;
     }
     const int64_t next = start + block_size, next_base = next < length ? table[next / block_size] * block_size : 0;
-    for (int64_t a = 0; a < kAheadRows; ++a) rows[n + a] = next + a < length ? k_cache + ((next_base + a) * hk + kh) * dk : nullptr;
+    for (int64_t a = 0; a < kAheadRows; ++a)
+      rows[n + a] = a < block_size && next + a < length ? k_cache + ((next_base + a) * hk + kh) * dk : nullptr;
     score_block<T>(qf, g, dk, rows, n, scale, scores, block_size);
     for (int64_t h = 0; h < g; ++h) {
       float* s = scores + h * block_size;
