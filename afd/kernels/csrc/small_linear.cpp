@@ -5,7 +5,7 @@
 // speed is the speed of that stream. The BLAS path (torch's F.linear: MKL for float32) first packs W into
 // its own layout, which reads W and writes a copy per call; measured here on one thread with W out of
 // cache, an 8-row product ran at 4-6 GB/s of weights while a plain read of memory runs at ~21 GB/s
-// (docs/benchmarks.md, "Kernels"). Here each W row is read once, in place, 16 values at a time, and meets
+// (docs/benchmarks.md, "Kernels"). Here each W row is read once, in place, a vector (16 or 8 values) at a time, and meets
 // every row of x while it is in registers: MT rows of x by NT rows of W per tile, MT * NT accumulators.
 //
 //   x       [M, K]   float32 (M <= 16), bfloat16 or float16 (M <= 4); more rows go to at::linear
