@@ -1,7 +1,9 @@
 """Every ``AFD_*`` environment variable afd reads, in one place.
 
-Read once, at the call site that needs it, through these functions: nothing
-else in afd touches ``os.environ`` for an ``AFD_*`` name.
+Read through these functions, once, where a run is configured (the command line, a launcher), and
+passed on from there as configuration: nothing else in afd reads ``os.environ`` for an ``AFD_*`` name,
+and nothing in afd writes one (a rank gets its run id and fault plan in its spec, and the run's
+fork server is started with the run id in its environment).
 """
 
 from __future__ import annotations
@@ -9,11 +11,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from afd.config import FaultPlan
+
 #: Name -> one-line description, for ``afd --help`` and the docs.
 VARIABLES: dict[str, str] = {
     "AFD_MODEL": "default model directory for every command (overrides the built-in model)",
     "AFD_NUM_THREADS": "torch intra-op threads per process (default: torch's own choice)",
-    "AFD_RUN_ID": "per-run id the launcher sets on every process it starts (a supervisor may preset it)",
+    "AFD_RUN_ID": "the run id (default: a fresh one); every process of the run carries it in its environment",
     "AFD_IO_LOG": "1: log every connector send and receive header (INFO level)",
     "AFD_E2E_ATTENTION_DEVICES": "tests/e2e: the attention devices of every end-to-end case (default cpu)",
     "AFD_E2E_FFN_DEVICES": "tests/e2e: the FFN devices of every end-to-end case (default cpu,cpu)",
@@ -21,7 +25,7 @@ VARIABLES: dict[str, str] = {
     "AFD_SEND_JITTER_MS": "testing only: every rank sleeps a random 0..N ms before each message it sends (arrival order varies)",
     "AFD_KERNELS": "0: never build or use afd's native CPU kernels (afd/kernels), run the pure-torch paths (default 1)",
     "AFD_FAULT": "testing only: inject a protocol fault on attention rank 0's N-th work message "
-    "(corrupt-header|wrong-layer|wrong-seq|truncate[@N], default N=3); engine-step@N: the serving loop fails at step N; "
+    "(corrupt-header|wrong-layer|wrong-seq|truncate[@N], default N=3); engine-step@N: a replica's N-th step raises; "
     "ffn-kill@N / ffn-hang@N: the last FFN rank SIGKILLs / SIGSTOPs itself on receiving its N-th work part",
 }
 
@@ -60,33 +64,35 @@ def io_log() -> bool:
     return os.environ.get("AFD_IO_LOG", "") not in ("", "0")
 
 
-def fault() -> tuple[str, int] | None:
-    """Tests only (AFD_FAULT=KIND[@N]): a protocol fault in attention rank 0's N-th work message;
-    ``engine-step``: the serving loop fails at its N-th step (a replica whose engine raises);
-    ``ffn-kill`` / ``ffn-hang``: the last FFN rank dies (SIGKILL) or hangs (SIGSTOP) on receiving its N-th
-    work part, so the unit is in flight when it goes (the attention side is dispatching or combining)."""
-    value = os.environ.get("AFD_FAULT")
-    if not value:
+def fault_plan() -> FaultPlan | None:
+    """The faults to inject (tests and benchmarks only): None unless ``AFD_FAULT``, ``AFD_SEND_JITTER_MS`` or
+    ``AFD_FFN_DELAY_MS`` is set (afd/config.py, :class:`FaultPlan`)."""
+    fault = os.environ.get("AFD_FAULT") or None
+    jitter = _milliseconds("AFD_SEND_JITTER_MS")
+    delay = _milliseconds("AFD_FFN_DELAY_MS")
+    if fault is None and not jitter and not delay:
         return None
-    kind, _, nth = value.partition("@")
-    kinds = ("corrupt-header", "wrong-layer", "wrong-seq", "truncate", "engine-step", "ffn-kill", "ffn-hang")
-    if kind not in kinds:
-        raise ValueError(f"AFD_FAULT must be one of {', '.join(kinds)} (optionally @N), got {value!r}")
-    return kind, int(nth or 3)
+    kind, nth = None, 3
+    if fault is not None:
+        kind, _, n = fault.partition("@")
+        try:
+            nth = int(n or 3)
+        except ValueError:
+            raise ValueError(f"AFD_FAULT must be KIND[@N] with an integer N, got {fault!r}") from None
+    return FaultPlan(kind, nth, send_jitter=jitter, ffn_delay=delay)
 
 
-def ffn_delay() -> float:
-    """Seconds an FFN rank sleeps per computed batch (AFD_FFN_DELAY_MS; 0 = off)."""
-    value = os.environ.get("AFD_FFN_DELAY_MS")
-    return float(value) / 1000 if value else 0.0
+def _milliseconds(name: str) -> float:
+    """A variable in milliseconds, as seconds (unset: 0)."""
+    value = os.environ.get(name)
+    if not value:
+        return 0.0
+    try:
+        return float(value) / 1000
+    except ValueError:
+        raise ValueError(f"{name} must be a number of milliseconds, got {value!r}") from None
 
 
 def e2e_devices() -> tuple[str, str]:
     """(attention devices, FFN devices) for the end-to-end cases, as --attention-devices/--ffn-devices values."""
     return os.environ.get("AFD_E2E_ATTENTION_DEVICES", "cpu"), os.environ.get("AFD_E2E_FFN_DEVICES", "cpu,cpu")
-
-
-def send_jitter() -> float:
-    """Most seconds a rank sleeps, at random, before each message it sends (AFD_SEND_JITTER_MS; 0 = off)."""
-    value = os.environ.get("AFD_SEND_JITTER_MS")
-    return float(value) / 1000 if value else 0.0

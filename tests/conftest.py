@@ -4,18 +4,11 @@ by name where the devices are absent, and the run says how many were not run and
 from __future__ import annotations
 
 import importlib.util
-import os
-import uuid
 
 import pytest
 import torch
 
 from tests import support
-
-# One run id for the runs this process starts: they share one fork server (torch imported once for the
-# whole session, not once per run; afd/engine/forkserver.py). Subprocesses that must be told apart pass
-# their own AFD_RUN_ID.
-os.environ.setdefault("AFD_RUN_ID", f"pytest-{uuid.uuid4().hex[:8]}")
 
 
 def device_count(kind: str) -> int:
@@ -53,6 +46,10 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def pytest_sessionfinish(session, exitstatus):
+    support.stop_session_forks()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import time
+import uuid
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -128,7 +131,14 @@ def build_hf_model(config, seed: int = 0):
 
 def write_tokenizer(model_dir: Path) -> None:
     """A small byte-level BPE with <s>/</s>, BOS added by the post-processor."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -233,7 +243,7 @@ class Capture:
 def monolithic_capture(model, prompts: list[list[int]]):
     """The monolithic reference: one prefill batch with every boundary captured."""
     from afd.config import CacheConfig
-    from afd.engine.runner import ModelRunner
+    from afd.engine.model_runner import ModelRunner
     from afd.kvcache import BlockManager, SeqChunk
 
     num_blocks = sum(-(-len(p) // 16) for p in prompts) + 4
@@ -276,7 +286,7 @@ def _router_scores(model, ref_values, layer):
 def greedy_with_gaps(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
     """Monolithic greedy decode of one prompt over the paged cache; returns tokens and top-2 logit gaps."""
     from afd.config import CacheConfig
-    from afd.engine.runner import ModelRunner
+    from afd.engine.model_runner import ModelRunner
     from afd.kvcache import BlockManager, SeqChunk
     from afd.testing.parity import top2_gap
 
@@ -319,3 +329,81 @@ def expected_simd() -> str:
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:
         return "avx512"
     return "avx2" if {"avx2", "fma", "f16c"} <= flags else "none"
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+_FORKS = []  # the session's fork server, started on first use and stopped at the session's end (conftest.py)
+
+
+def session_forks():
+    """One fork server for the runs of this test session that share it: torch imported once, not once per run.
+    Fault tests start runs of their own instead (each run isolated: its own fork server)."""
+    if not _FORKS:
+        from afd.runtime.forkserver import RunForkServer
+
+        _FORKS.append(RunForkServer(f"pytest-{uuid.uuid4().hex[:8]}"))
+    return _FORKS[0]
+
+
+def stop_session_forks() -> None:
+    while _FORKS:
+        _FORKS.pop().stop()
+
+
+def cluster(model_dir, topology, engine=None, **kw):
+    """A test's Cluster (not started), its ranks forked from the session's fork server."""
+    from afd.config import EngineArgs
+    from afd.runtime.cluster import Cluster
+
+    return Cluster(model_dir, topology, engine or EngineArgs(), forks=session_forks(), **kw)
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str, every: float = 0.05):
+    """Wait until ``condition()`` is true (its value is returned); fail naming ``what`` that did not happen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout:g} s")
+        time.sleep(every)
+
+
+class Command:
+    """A command run in the background whose output lines are collected as they come (``lines``), so a test can
+    wait for one (:meth:`wait_line`) instead of sleeping."""
+
+    def __init__(self, cmd: list[str], env: dict | None = None, **popen) -> None:
+        import subprocess
+        import threading
+
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, **popen)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_line(self, text: str, timeout: float) -> None:
+        """Until a line containing ``text`` came out; fail (with the output so far) if the command ended first."""
+        wait_for(lambda: any(text in line for line in self.lines) or self.proc.poll() is not None, timeout, f"a line {text!r}")
+        assert any(text in line for line in self.lines), f"the command ended ({self.proc.returncode}) before {text!r}:\n{self.output}"
+
+    def wait(self, timeout: float) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(10)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

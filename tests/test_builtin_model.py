@@ -16,7 +16,7 @@ import torch
 from afd.cli.common import BUILTIN_MODEL
 from afd.config import CacheConfig, EngineConfig, SamplingParams
 from afd.engine.llm_engine import LLMEngine
-from afd.engine.runner import ModelRunner
+from afd.engine.model_runner import ModelRunner
 from afd.engine.tokenizer import Tokenizer
 from afd.kvcache import BlockManager, SeqChunk
 from afd.models import load_model
@@ -111,12 +111,13 @@ def test_greedy_64_tokens_match_transformers(model):
                 logits = hf(torch.tensor([seq]), use_cache=False).logits[0, -1]
                 gaps.append(top2_gap(logits))
                 seq.append(int(logits.argmax()))
-        report = compare_greedy(seq[n:], out.token_ids, gaps)
+        report = compare_greedy(seq[n:], out.token_ids, gaps, min_compared=0)  # the total below counts
         assert report.ok, f"{prompt[:30]!r}: {report}"
         compared += report.num_compared
     assert compared >= 96, f"only {compared} of 192 greedy steps compared"
 
 
+@pytest.mark.procs
 def test_readme_demo_reads_like_a_play():
     makefile = (Path(__file__).parents[1] / "Makefile").read_text()
     demo = re.search(r"^demo:.*\n\t\$\(BIN\)/afd (.+)$", makefile, re.M).group(1)

@@ -16,15 +16,15 @@ small exchange per step, while others work.
 **Waves.** While any member has work, all members vote every step (a wave). A step with no
 contributor ends the wave; every member sees that same decision, so all stop at the same step and
 wait for commands. Work arriving while the ranks wait starts the next wave, numbered by the waves
-done: the rank that got it asks for wave w (``need_wave``), the front end tells every rank to join
-(``start_wave``) once per w, and a rank ignores a start for a wave it has finished. A batch command
+done: the rank that got it asks for wave w (``NeedWave``), the cluster's owner thread tells every rank
+to join (``StartWave``) once per w, and a rank ignores a start for a wave it has finished. A batch command
 (``afd generate``) is sent to every rank at once, and each joins the wave itself.
 
 **FFN ranks join at an agreed step.** A vote also carries the FFN ranks the voter has links to
 (``ffn_ready``, a bitmask). A rank that replaces a lost FFN rank is used from the first step whose
 every vote names it (:attr:`StepPlan.ffn_ready`, the AND of the votes), so every contributor sends
 it parts from the same step on and its unions complete. A lost FFN rank needs no agreement: each
-attention rank stops sending to it on its own (afd/connectors/endpoints.py), and the unions on the
+attention rank stops sending to it on its own (afd/connectors/dispatch.py), and the unions on the
 survivors do not depend on who else is alive. A new expert placement (a rebalance) is used the same
 way: from the first step whose every vote has it installed (:attr:`StepPlan.placement`, the lowest).
 
@@ -41,7 +41,7 @@ A vote it wrote before dying is read by everyone, and it counts as an idle voter
 **A restarted member rejoins** at an agreed step too. The launcher writes dead members with their
 incarnation (``afd/steps/dead``: index -> the newest incarnation lost), so a restart of index r, one
 incarnation up, is not taken for the dead one. Once the restart has its weights and links it asks to join;
-the launcher tells every member (``admit``), and each member votes the joiner from then on (a member that
+the launcher tells every member (``Admit``), and each member votes the joiner from then on (a member that
 waits for commands starts a wave for it, as it would for work). The first step whose every vote names the
 joiner (:attr:`StepPlan.joiners`) is the last of the old membership: from the next step on, every member
 steps in epoch e + 1 with the joiner added, and each one writes the joiner its welcome (the epoch, the next
@@ -62,7 +62,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from afd.config import PipelineConfig
-from afd.pipeline import CostModel, MicrobatchPlan, choose_plan, plan_microbatches
+from afd.microbatch import CostModel, MicrobatchPlan, choose_plan, plan_microbatches
 
 Spans = tuple[tuple[int, int], ...]  # (start position, new tokens) per chunk, in batch order
 

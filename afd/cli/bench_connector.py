@@ -17,13 +17,16 @@ import statistics
 import tempfile
 import threading
 import time
+import uuid
 
 import torch
 
+from afd import env
 from afd.cli.common import print_table
 from afd.connectors.factory import LinkSpec, make_mailbox
-from afd.connectors.protocol import Header, Kind, Role, TensorName, make_message
 from afd.connectors.transport import LoopbackHub
+from afd.connectors.wire import Header, Kind, Role, TensorName, make_message
+from afd.runtime.forkserver import RunForkServer
 
 SIZES = (1, 16, 128, 1024, 4096)
 
@@ -39,15 +42,6 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=run)
 
 
-def _forks():
-    """Peers are forked from one preloaded server (torch imported once, not once per transport)."""
-    import uuid
-
-    from afd.engine.forkserver import RunForkServer
-
-    return RunForkServer.of_run(os.environ.setdefault("AFD_RUN_ID", f"bench-{uuid.uuid4().hex[:8]}"))
-
-
 def _iters(base: int, nbytes: int) -> int:
     return max(10, min(base, int(base * (1 << 20) / max(nbytes, 1))))
 
@@ -60,13 +54,14 @@ def _message(rows: torch.Tensor, seq: int, role: Role) -> object:
 def _echo(spec: LinkSpec, total: int, hub=None) -> None:
     torch.set_num_threads(1)
     box = make_mailbox(spec, Role.FFN, 0, 1, hub)
+    box.connect(60.0)
     for _ in range(total):
         msg = box.recv(60)
         box.send(0, _message(msg.tensors[TensorName.HIDDEN], msg.header.seq, Role.FFN))
     box.close()
 
 
-def _measure_transport(transport: str, payloads: list[torch.Tensor], base_iters: int) -> list[float]:
+def _measure_transport(transport: str, payloads: list[torch.Tensor], base_iters: int, forks) -> list[float]:
     counts = [_iters(base_iters, p.numel() * p.element_size()) + 5 for p in payloads]
     with tempfile.TemporaryDirectory(prefix="afd-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
         biggest = max(p.numel() * p.element_size() for p in payloads) + 4096
@@ -85,9 +80,10 @@ def _measure_transport(transport: str, payloads: list[torch.Tensor], base_iters:
             hub = LoopbackHub()
             peer = threading.Thread(target=_echo, args=(spec, sum(counts), hub), daemon=True)
         else:
-            peer = _forks().process(_echo, (spec, sum(counts)), "afd-bench-echo")
+            peer = forks.process(_echo, (spec, sum(counts)), "afd-bench-echo")
         peer.start()
         box = make_mailbox(spec, Role.ATTENTION, 0, 1, hub)
+        box.connect(60.0)
         results, seq = [], 0
         try:
             for p, n in zip(payloads, counts):
@@ -120,12 +116,12 @@ def _gloo_peer(port: int, shapes: list, counts: list, dtype) -> None:
     dist.destroy_process_group()
 
 
-def _measure_gloo(payloads: list[torch.Tensor], base_iters: int) -> list[float]:
+def _measure_gloo(payloads: list[torch.Tensor], base_iters: int, forks) -> list[float]:
     import torch.distributed as dist
 
     counts = [_iters(base_iters, p.numel() * p.element_size()) + 5 for p in payloads]
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
-    peer = _forks().process(_gloo_peer, (store.port, [tuple(p.shape) for p in payloads], counts, payloads[0].dtype), "afd-bench-gloo")
+    peer = forks.process(_gloo_peer, (store.port, [tuple(p.shape) for p in payloads], counts, payloads[0].dtype), "afd-bench-gloo")
     peer.start()
     dist.init_process_group("gloo", store=store, rank=0, world_size=2)
     results = []
@@ -163,9 +159,13 @@ def run(args: argparse.Namespace) -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     payloads = [torch.randn(t, args.hidden).to(dtype) for t in tokens]
     columns = {"memcpy": _measure_memcpy(payloads, args.iters)}
-    for transport in [t for t in args.transports.split(",") if t]:
-        columns[transport] = _measure_transport(transport, payloads, args.iters)
-    columns["raw gloo"] = _measure_gloo(payloads, args.iters)
+    forks = RunForkServer(env.run_id() or f"bench-{uuid.uuid4().hex[:8]}")  # peers forked from it: torch imported once
+    try:
+        for transport in [t for t in args.transports.split(",") if t]:
+            columns[transport] = _measure_transport(transport, payloads, args.iters, forks)
+        columns["raw gloo"] = _measure_gloo(payloads, args.iters, forks)
+    finally:
+        forks.stop()
     names = list(columns)
     header = ["T", "bytes"] + [f"{n} us" for n in names] + [f"{n} GB/s" for n in names if n != "memcpy"]
     rows = []

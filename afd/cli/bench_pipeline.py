@@ -29,9 +29,12 @@ from pathlib import Path
 
 import torch
 
+from afd import env
 from afd.cli.common import print_table
-from afd.config import PipelineConfig, SamplingParams
-from afd.pipeline import CostModel
+from afd.config import EngineArgs, PipelineConfig, SamplingParams
+from afd.microbatch import CostModel
+from afd.runtime.messages import GetTrace, SetTrace
+from afd.serving.offline import generate
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:
@@ -68,8 +71,7 @@ def _cluster(model_dir: Path, args, pipeline: PipelineConfig | None = None, atte
     """The benchmark's cluster (not started; 1A1F on the given devices, or A unpinned attention ranks)
     and the workload's sampling parameters."""
     from afd.distributed.topology import Topology, parse_devices
-    from afd.engine.launcher import Cluster
-    from afd.engine.ranks import EngineArgs
+    from afd.runtime.cluster import Cluster
 
     if attention_ranks is None:
         topo = Topology(parse_devices(args.attention_devices), parse_devices(args.ffn_devices), transport=args.transport)
@@ -80,7 +82,7 @@ def _cluster(model_dir: Path, args, pipeline: PipelineConfig | None = None, atte
     engine = EngineArgs(dtype="auto", kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len),
                         enable_prefix_caching=False)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    return Cluster(model_dir, topo, engine, pipeline=pipeline or PipelineConfig()), params
+    return Cluster(model_dir, topo, engine, pipeline=pipeline or PipelineConfig(), faults=env.fault_plan()), params
 
 
 def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict:
@@ -88,14 +90,14 @@ def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict
     cluster, params = _cluster(model_dir, args, pipeline)
     with cluster:
         t0 = time.perf_counter()
-        cluster.generate(prompts, params, pipeline)  # warm-up
+        generate(cluster, prompts, params, pipeline)  # warm-up
         warmup = time.perf_counter() - t0
         for _ in range(args.runs):
-            cluster.request(0, ("trace", True), "trace")
+            cluster.request(0, SetTrace(True))
             t0 = time.perf_counter()
-            cluster.generate(prompts, params, pipeline)
+            generate(cluster, prompts, params, pipeline)
             wall = time.perf_counter() - t0
-            events, _ = cluster.request(0, ("get_trace", None), "get_trace")
+            events, _ = cluster.request(0, GetTrace())
             times.append(wall)
             span = max(e.end for e in events) - min(e.start for e in events)
             attn = sum(e.end - e.start for e in events if e.action in ("attention", "dispatch"))
@@ -133,12 +135,12 @@ def _run_aggregation(model_dir: Path, args, prompts) -> dict[str, dict]:
         cluster, params = _cluster(model_dir, args, pipeline, attention_ranks=a)
         with cluster:
             t0 = time.perf_counter()
-            cluster.generate(work, params, pipeline)  # warm-up
+            generate(cluster, work, params, pipeline)  # warm-up
             warmup = time.perf_counter() - t0
             times = []
             for _ in range(args.runs):
                 t0 = time.perf_counter()
-                cluster.generate(work, params, pipeline)
+                generate(cluster, work, params, pipeline)
                 times.append(time.perf_counter() - t0)
         ffn = [r.final_stats or {} for r in cluster.ranks if r.spec.role.name == "FFN"]
         generated = len(work) * args.new_tokens * (args.runs + 1)
@@ -177,11 +179,11 @@ def _run_interleaved(model_dir: Path, args, pipelines: dict[str, PipelineConfig]
     cluster, params = _cluster(model_dir, args)
     with cluster:
         for pipeline in pipelines.values():
-            cluster.generate(prompts, params, pipeline)  # warm-up
+            generate(cluster, prompts, params, pipeline)  # warm-up
         for r in range(args.runs):
             for name, pipeline in pipelines.items():
                 t0 = time.perf_counter()
-                cluster.generate(prompts, params, pipeline)
+                generate(cluster, prompts, params, pipeline)
                 times[name].append(time.perf_counter() - t0)
             print(f"round {r}: " + ", ".join(f"{name} {t[-1]:.3f} s" for name, t in times.items()), file=sys.stderr)
     return {name: {"step_s": statistics.median(t), "runs_s": t} for name, t in times.items()}
@@ -208,8 +210,8 @@ def _run_monolithic(model_dir: Path, args, prompts) -> dict:
     from afd.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(2)
-    engine = LLMEngine.from_pretrained(model_dir, kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len),
-                                       enable_prefix_caching=False)  # the same prompts every run, as the split runs
+    engine = LLMEngine.from_pretrained(model_dir, EngineArgs(kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len),
+                                                             enable_prefix_caching=False))  # the same prompts every run, as the split runs
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(prompts, params)
     times = []

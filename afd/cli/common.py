@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from afd import env
+from afd.config import DEFAULT_FP8_MODE, FP8_MODES, EngineArgs, Timeouts
 
 BUILTIN_MODEL = Path(__file__).resolve().parent.parent / "assets" / "models" / "tiny-shakespeare-moe"
 
@@ -47,13 +48,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prompt prefixes seen before (default: on; the cache lives in, and is "
                         "sized by, --kv-cache-memory)")
-    from afd.models.quant import DEFAULT_FP8_MODE, FP8_MODES
-
     p.add_argument("--fp8-weights", choices=FP8_MODES, default=DEFAULT_FP8_MODE,
                    help="fp8 block-scaled checkpoints: dequantize once at load into --dtype (default: faster), or keep fp8 in "
                         "memory (about half the memory) and dequantize per GEMM")
     p.add_argument("--device", default="cpu",
                    help="monolithic runs: cpu (default), cuda:N or npu:N (disaggregated runs: --attention-devices / --ffn-devices)")
+    p.add_argument("--ready-timeout", type=float, default=Timeouts.ready, metavar="S",
+                   help="the engine (every rank of a disaggregated run) must load and report READY within S seconds (default 300)")
 
 
 def device_arg(text: str) -> str:
@@ -69,24 +70,32 @@ def device_arg(text: str) -> str:
 
 
 def monolithic_engine(args: argparse.Namespace, model_dir: Path):
-    """The engine of a monolithic run, from the engine flags (``afd generate`` and ``afd serve``)."""
+    """The engine of a monolithic run in this process, from the engine flags (``afd generate --capture``)."""
     from afd.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_pretrained(model_dir, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-                                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                       device=device_arg(args.device), max_step_memory=args.max_step_memory,
-                                       max_model_len=args.max_model_len, fp8_weights=args.fp8_weights,
-                                       enable_prefix_caching=args.enable_prefix_caching)
+    engine = LLMEngine.from_pretrained(model_dir, engine_args(args), device=device_arg(args.device))
     print(f"afd: {engine.limits.describe()}", file=sys.stderr, flush=True)
     return engine
 
 
-def engine_args(args: argparse.Namespace):
-    """An attention rank's engine flags (the launcher resolves what is left unset)."""
-    from afd.engine.ranks import EngineArgs
+def engine_core_client(args: argparse.Namespace, model_dir: Path):
+    """A monolithic engine in its engine-core process (``afd serve``, ``afd generate``): its client, READY."""
+    from afd.runtime.clients import engine_core_client as start
 
+    client = start(model_dir, engine_args(args), device_arg(args.device), timeouts_from_args(args), env.num_threads(), env.fault_plan())
+    print(f"afd: {client.core.ready.limits}", file=sys.stderr, flush=True)
+    return client
+
+
+def engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The engine flags, as one :class:`EngineArgs` (a launcher resolves what is left unset)."""
     return EngineArgs(args.dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
                       args.max_step_memory, args.max_model_len, args.enable_prefix_caching, args.fp8_weights)
+
+
+def timeouts_from_args(args: argparse.Namespace) -> Timeouts:
+    """Every wait of the run, from the flags, once."""
+    return Timeouts(hang=args.hang_timeout, ready=args.ready_timeout)
 
 
 def setup_process(verbose: bool = False) -> None:
@@ -185,21 +194,20 @@ def topology_from_args(args: argparse.Namespace, num_experts: int):
     return topology
 
 
-def cluster_from_args(args: argparse.Namespace, model_dir, topology, engine_args):
-    """A Cluster (not started) from the topology, pipeline, liveness and multi-node flags."""
-    from afd import env
-    from afd.engine.launcher import Cluster
+def cluster_from_args(args: argparse.Namespace, model_dir, topology):
+    """A Cluster (not started) from the engine, topology, pipeline, liveness and multi-node flags, and the
+    environment (afd/env.py: the run id, threads, I/O log, injected faults)."""
+    from afd.runtime.cluster import Cluster
+    from afd.runtime.launcher import NodeSpec
 
-    if args.hang_timeout <= 0:
-        raise ValueError(f"--hang-timeout {args.hang_timeout}: give a positive number of seconds")
-    return Cluster(model_dir, topology, engine_args, io_log=env.io_log(), pipeline=pipeline_from_args(args), nnodes=args.nnodes,
-                   node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-                   link_timeout=args.hang_timeout, heartbeat_interval=min(1.0, args.hang_timeout / 4))
+    node = NodeSpec(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    return Cluster(model_dir, topology, engine_args(args), timeouts=timeouts_from_args(args), pipeline=pipeline_from_args(args),
+                   node=node, run_id=env.run_id(), io_log=env.io_log(), faults=env.fault_plan(), threads=env.num_threads())
 
 
 def pipeline_from_args(args: argparse.Namespace):
     from afd.config import PipelineConfig
-    from afd.pipeline import CostModel
+    from afd.microbatch import CostModel
 
     cost = None
     if args.cost_model:

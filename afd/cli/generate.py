@@ -8,9 +8,10 @@ import logging
 import sys
 from pathlib import Path
 
-from afd.cli.common import add_engine_args, add_topology_args, cluster_from_args, monolithic_engine, resolve_model, topology_from_args
-from afd.cli.common import engine_args as common_engine_args
+from afd.cli.common import (add_engine_args, add_topology_args, cluster_from_args, engine_core_client, monolithic_engine, resolve_model,
+                            topology_from_args)
 from afd.config import SamplingParams
+from afd.serving.offline import run_offline
 
 log = logging.getLogger("afd.generate")
 
@@ -56,51 +57,26 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--trace records the disaggregated runtime: add topology flags (e.g. --attention-ranks 1 --ffn-ranks 1)")
     progress = not args.no_progress and sys.stderr.isatty()
     if topology is None and args.capture:  # the capture hooks are on an engine of this process: run it on a thread here
-        from afd.serving.frontend import LocalReplicas, run_offline
+        from afd.runtime.clients import LocalClient
 
         engine = monolithic_engine(args, model_dir)
         log.info("monolithic: model %s (%s), dtype %s, %s", model_dir, engine.model.config.architecture, engine.config.dtype, engine.config.cache)
-        outputs = run_offline(LocalReplicas(engine, capture=str(Path(args.capture) / "monolithic.safetensors")), engine.tokenizer,
+        outputs = run_offline(LocalClient(engine, capture=str(Path(args.capture) / "monolithic.safetensors")), engine.tokenizer,
                               args.prompt, params, progress=progress)
     elif topology is None:  # a server's front end and engine-core process: the step loop shares no GIL with the text work
-        from afd.cli.common import device_arg
-        from afd.engine.core import CoreSpec, EngineCoreProcess
         from afd.engine.tokenizer import Tokenizer
-        from afd.serving.frontend import CoreReplicas, run_offline
 
         tokenizer = Tokenizer(model_dir)
-        core = EngineCoreProcess(CoreSpec(model_dir, common_engine_args(args), device_arg(args.device)))
+        client = engine_core_client(args, model_dir)
         try:
-            print(f"afd: {core.ready.limits}", file=sys.stderr, flush=True)
-            log.info("monolithic: model %s, engine core pid %d", model_dir, core.pid)
-            outputs = run_offline(CoreReplicas(core), tokenizer, args.prompt, params, progress=progress)
+            log.info("monolithic: model %s, engine core pid %d", model_dir, client.core.pid)
+            outputs = run_offline(client, tokenizer, args.prompt, params, progress=progress)
         finally:
-            core.close(10.0)
+            client.close(args.ready_timeout)
     else:
-        cluster = cluster_from_args(args, model_dir, topology, common_engine_args(args))
-        log.info("disaggregated: model %s, %s, %s", model_dir, topology, cluster.pipeline)
-        print(f"afd: {cluster.describe_limits()}", file=sys.stderr, flush=True)
-        print(f"afd: {cluster.describe_redundancy()}", file=sys.stderr, flush=True)
-        with cluster:
-            if not cluster.attention_ranks():  # an FFN-only node of a multi-node run
-                cluster.wait_until_done()
-                print(f"node {args.node_rank}: FFN ranks served the run and exited", file=sys.stderr)
-                return 0
-            if args.trace:
-                for rank in range(len(cluster.attention_ranks())):
-                    cluster.request(rank, ("trace", True), "trace")
-            outputs = cluster.generate(args.prompt, params, capture_dir=args.capture,
-                                       progress=progress)
-            attention_traces = {
-                r.spec.name: cluster.request(i, ("get_trace", None), "get_trace")[0]
-                for i, r in enumerate(cluster.attention_ranks())
-            } if args.trace else {}
-        if args.trace:
-            from afd.obs.trace import chrome_trace, write_trace
-
-            ffn_spans = {r.spec.name: (r.final_stats or {}).get("spans", []) for r in cluster.ranks if r not in cluster.attention_ranks()}
-            write_trace(args.trace, chrome_trace(attention_traces, ffn_spans))
-            print(f"trace written to {args.trace}", file=sys.stderr)
+        outputs = _generate_disaggregated(args, model_dir, topology, params, progress)
+        if outputs is None:
+            return 0
     for out in outputs:
         if args.json:
             print(json.dumps({"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}))
@@ -109,3 +85,31 @@ def run(args: argparse.Namespace) -> int:
             if len(outputs) > 1:
                 print("-" * 60)
     return 0
+
+
+def _generate_disaggregated(args: argparse.Namespace, model_dir: Path, topology, params, progress: bool):
+    from afd.runtime.messages import GetTrace, SetTrace
+    from afd.serving.offline import generate
+
+    cluster = cluster_from_args(args, model_dir, topology)
+    log.info("disaggregated: model %s, %s, %s", model_dir, topology, cluster.pipeline)
+    print(f"afd: {cluster.describe_limits()}", file=sys.stderr, flush=True)
+    print(f"afd: {cluster.describe_redundancy()}", file=sys.stderr, flush=True)
+    num_attention = topology.num_attention_ranks
+    with cluster:
+        if args.node_rank > 0:  # an FFN-only node of a multi-node run
+            cluster.wait()
+            print(f"node {args.node_rank}: FFN ranks served the run and exited", file=sys.stderr)
+            return None
+        if args.trace:
+            cluster.request_all([SetTrace(True)] * num_attention)
+        outputs = generate(cluster, args.prompt, params, capture_dir=args.capture, progress=progress)
+        attention_traces = ({f"attention rank {i}": events for i, (events, _) in enumerate(cluster.request_all([GetTrace()] * num_attention))}
+                            if args.trace else {})
+    if args.trace:
+        from afd.obs.trace import chrome_trace, write_trace
+
+        ffn_spans = {r.spec.name: (r.final_stats or {}).get("spans", []) for r in cluster.ranks if r.spec.role.name == "FFN"}
+        write_trace(args.trace, chrome_trace(attention_traces, ffn_spans))
+        print(f"trace written to {args.trace}", file=sys.stderr)
+    return outputs

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
-from afd.cli.common import add_engine_args, add_topology_args, cluster_from_args, resolve_model, topology_from_args
-from afd.cli.common import engine_args as common_engine_args
+from afd.cli.common import add_engine_args, add_topology_args, cluster_from_args, engine_core_client, resolve_model, topology_from_args
 
 log = logging.getLogger("afd.serve")
 
@@ -41,46 +41,42 @@ def run(args: argparse.Namespace) -> int:
     config = load_model_config(model_dir)
     tokenizer = Tokenizer(model_dir)  # the server tokenizes; a model without tokenizer.json cannot be served
     topology = topology_from_args(args, config.moe.num_experts)
+    if args.rebalance_every < 0 or args.rebalance_threshold < 1.0:
+        raise ValueError(f"--rebalance-every {args.rebalance_every} / --rebalance-threshold {args.rebalance_threshold}: give "
+                         "seconds >= 0 and a max/mean >= 1")
+    if args.rebalance_every and topology is None:
+        raise ValueError("--rebalance-every moves expert copies between FFN ranks: a monolithic server has none")
     if args.nnodes > 1 and args.node_rank > 0:
         return _serve_ffn_node(args, model_dir, topology)
     # bind before loading anything or starting a rank: a busy port fails at once, leaving nothing behind
     with listen(args.host, args.port) as sock:
-        replicas = _replicas(args, model_dir, topology)
+        client = _client(args, model_dir, topology)
         try:
             metrics = Metrics()
-            frontend = Frontend(replicas, metrics, tokenizer=tokenizer)
+            frontend = Frontend(client, metrics, tokenizer=tokenizer)
             metrics.bind(frontend)
-            state = ServerState(frontend, metrics, tokenizer, args.served_model_name or model_dir.name, replicas.max_model_len,
+            state = ServerState(frontend, metrics, tokenizer, args.served_model_name or model_dir.name, client.max_model_len,
                                 rebalance_every=args.rebalance_every, rebalance_threshold=args.rebalance_threshold)
-            if args.rebalance_every < 0 or args.rebalance_threshold < 1.0:
-                raise ValueError(f"--rebalance-every {args.rebalance_every} / --rebalance-threshold {args.rebalance_threshold}: give "
-                                 "seconds >= 0 and a max/mean >= 1")
-            if args.rebalance_every and not hasattr(replicas, "rebalance"):
-                raise ValueError("--rebalance-every moves expert copies between FFN ranks: a monolithic server has none")
         except BaseException:
-            replicas.close(timeout=10)
+            client.close(timeout=10)
             raise
         return run_server(state, sock, args.shutdown_timeout)  # stops the replicas (and ranks) before it returns
 
 
-def _replicas(args: argparse.Namespace, model_dir, topology):
-    from afd.serving.frontend import ClusterReplicas, CoreReplicas
+def _client(args: argparse.Namespace, model_dir, topology):
+    from afd.runtime.clients import ClusterClient
 
     if topology is None:  # the engine in a process of its own; this one serves HTTP and works out text
-        from afd.cli.common import device_arg
-        from afd.engine.core import CoreSpec, EngineCoreProcess
-
-        core = EngineCoreProcess(CoreSpec(model_dir, common_engine_args(args), device_arg(args.device)))
-        print(f"afd: {core.ready.limits}", file=sys.stderr, flush=True)
-        log.info("monolithic: %s, engine core pid %d", model_dir, core.pid)
-        return CoreReplicas(core)
+        client = engine_core_client(args, model_dir)
+        log.info("monolithic: %s, engine core pid %d", model_dir, client.core.pid)
+        return client
     cluster = _cluster(args, model_dir, topology)
     cluster.start()
-    return ClusterReplicas(cluster, cluster.pipeline)
+    return ClusterClient(cluster, cluster.pipeline)
 
 
 def _cluster(args: argparse.Namespace, model_dir, topology):
-    cluster = cluster_from_args(args, model_dir, topology, common_engine_args(args))
+    cluster = cluster_from_args(args, model_dir, topology)
     log.info("disaggregated: %s, %s, %s", model_dir, topology, cluster.pipeline)
     print(f"afd serve: starting {topology.num_attention_ranks} attention + {topology.num_ffn_ranks} FFN ranks ...", file=sys.stderr, flush=True)
     print(f"afd: {cluster.describe_limits()}", file=sys.stderr, flush=True)
@@ -89,15 +85,22 @@ def _cluster(args: argparse.Namespace, model_dir, topology):
 
 
 def _serve_ffn_node(args: argparse.Namespace, model_dir, topology) -> int:
-    """The FFN node of a multi-node run: no HTTP here; its FFN ranks serve node 0's attention ranks."""
+    """The FFN node of a multi-node run: no HTTP here; its FFN ranks serve node 0's attention ranks. SIGTERM
+    stops them (and is what ends the node early); a normal end comes from node 0's attention ranks."""
     if topology is None:
         raise ValueError("a multi-node run needs topology flags (and --transport tcp or torch)")
     cluster = _cluster(args, model_dir, topology)
+
+    def on_sigterm(_signum, _frame) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         cluster.start()
         print(f"afd serve: node {args.node_rank}: FFN ranks serving node 0's attention ranks", flush=True)
-        cluster.wait_until_done()
+        cluster.wait()
     finally:
         cluster.shutdown()
+        signal.signal(signal.SIGTERM, previous)
     print(f"afd serve: node {args.node_rank}: the run ended", flush=True)
     return 0

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from afd.connectors.protocol import Role, tensor_bytes
+from afd.connectors.wire import Role, tensor_bytes
 from afd.connectors.transport import ConnectorTimeout, Mailbox, PeerDiedError
 
 _CTRL = 64  # write count (u64) at 0, read count (u64) at 8
@@ -114,7 +114,6 @@ class ShmMailbox(Mailbox):
         num_peers: int,
         num_slots: int,
         slot_bytes: int,
-        connect_timeout: float = 30.0,
         io_log: bool = False,
         device: str = "cpu",
         generations: dict[int, int] | None = None,
@@ -135,13 +134,18 @@ class ShmMailbox(Mailbox):
         self._space_w: dict[int, int] = {}
         self._connected: set[int] = set()  # peers whose writer we have seen
         self._pending: int | None = None  # peer whose slot is held until release
-        self.skipped: set[int] = set()  # an FFN rank: attention peers that died before it linked (a restart links anew)
-        for p in range(num_peers):  # every reader end first, then the writers (which need the peer's readers)
+        for p in range(num_peers):  # every reader end first (:meth:`connect` opens the writers, which need the peer's readers)
             self._open_readers(p, gen.get(p, 0))
-        deadline = time.monotonic() + connect_timeout
-        for p in range(num_peers):
+        self._fd_peer: dict[int, int] = {}
+
+    def connect(self, timeout: float) -> None:
+        """Open the writer ends: each waits for the peer to open its reader end (at most ``timeout`` s). A
+        replacement FFN rank opens its readers, says it is loaded, and only then waits here, so that the
+        attention ranks that link to it never wait on it."""
+        deadline = time.monotonic() + timeout
+        for p in range(self.num_peers):
             try:
-                self._open_writers(p, gen.get(p, 0), deadline)
+                self._open_writers(p, self._gen.get(p, 0), deadline)
             except _PeerDead:
                 self.skipped.add(p)
                 self._silent_ok.add(p)  # not watched until its restart's links open (readmit)

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from afd.connectors.protocol import Header, ProtocolError, Role, tensor_bytes
+from afd.connectors.wire import Header, ProtocolError, Role, tensor_bytes
 from afd.connectors.transport import ConnectorTimeout, Mailbox, PeerDiedError, PeerSilentError
 
 FRAME = struct.Struct("<IQ")  # header length, payload length
@@ -139,20 +139,27 @@ class TcpMailbox(Mailbox):
         self.socks: dict[int, socket.socket] = {}
         self._sock_peer: dict[int, int] = {}  # fileno -> peer
         self._server: socket.socket | None = None
+        self._generations = dict(generations or {})
         if role == Role.FFN:
             self._server = socket.create_server(("0.0.0.0", 0))
             self.store.set(address_key(index, generation), f"{local_address(master_addr)}:{self._server.getsockname()[1]}")
-            if generation == 0:  # at start every attention rank connects before the handshake; a replacement's come as they link
-                deadline = time.monotonic() + timeout
-                while len(self.socks) < num_peers:
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not select.select([self._server], [], [], left)[0]:
-                        raise ConnectorTimeout(f"{self.name}: {num_peers - len(self.socks)} attention ranks did not connect within "
-                                               f"{timeout:.0f} s")
-                    self._accept()
-        else:
-            for f in range(num_peers):
-                self._connect(f, (generations or {}).get(f, 0))
+
+    def connect(self, timeout: float) -> None:
+        """An attention rank connects to every FFN rank; an FFN rank at the run's start waits for every
+        attention rank to connect (a replacement takes them as they come, in :meth:`_recv`)."""
+        if self.role == Role.ATTENTION:
+            for f in range(self.num_peers):
+                self._connect(f, self._generations.get(f, 0))
+            return
+        if self.generation:
+            return
+        deadline = time.monotonic() + timeout
+        while len(self.socks) < self.num_peers:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._server], [], [], left)[0]:
+                raise ConnectorTimeout(f"{self.name}: {self.num_peers - len(self.socks)} attention ranks did not connect within "
+                                       f"{timeout:.0f} s")
+            self._accept()
 
     # ------------------------------------------------------------------ links
     def _accept(self) -> None:

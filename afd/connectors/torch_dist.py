@@ -34,7 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from afd.connectors.protocol import Header, ProtocolError, Role
+from afd.connectors.wire import Header, ProtocolError, Role
 from afd.connectors.tcp import FRAME, close_gracefully, local_address, read_exact
 from afd.connectors.transport import ConnectorTimeout, Mailbox, PeerDiedError
 

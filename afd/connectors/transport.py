@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import random
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -25,8 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afd.connectors.faults import inject
-from afd.connectors.protocol import Header, Kind, Message, ProtocolError, Role, decode_payload, encode, flat_bytes, rank_name, tensor_bytes
+from afd.connectors.wire import Header, Kind, Message, ProtocolError, Role, decode_payload, encode, flat_bytes, rank_name, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -71,37 +69,40 @@ class Mailbox(ABC):
         self.peer_role = Role.FFN if role == Role.ATTENTION else Role.ATTENTION
         self.stats = LinkStats()
         self.io_log = io_log
-        self.fault: tuple[str, int] | None = None  # (kind, n): corrupt the n-th work message (tests)
-        self.jitter = 0.0  # tests: sleep a random 0..jitter s before each send (AFD_SEND_JITTER_MS)
-        self._work_sent = 0
         self._send_lock = threading.Lock()  # the heartbeat thread sends too
         self._last_sent: dict[int, float] = {}
-        self._last_seen: dict[int, float] = {}  # peer -> monotonic time of its last message
+        self._last_seen: dict[int, float] = {}  # watched peer -> monotonic time of its last message
         self._silent_ok: set[int] = set()  # peers that said SHUTDOWN
         self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
         self.link_timeout: float | None = None
+        self.skipped: set[int] = set()  # an FFN rank: attention peers that died before it linked (a restart links anew)
 
     # ------------------------------------------------------------------ liveness
     def start_heartbeats(self, interval: float, link_timeout: float, only_to=None) -> None:
-        """Send a HEARTBEAT on every link that carried nothing for ``interval`` s, and treat a peer silent
-        for ``link_timeout`` s as gone. ``interval`` 0 disables heartbeats (silence is still detected).
-        ``only_to(peer)``: beat to a peer only while it is true. An FFN rank beats only to the attention
-        ranks it owes results: those wait on their links and read them, while an idle attention rank
-        reads nothing, and beats to it would fill its receive ring and block the sender."""
+        """Send a HEARTBEAT on every link in service that carried nothing for ``interval`` s, and treat a peer
+        in service that is silent for ``link_timeout`` s as hung. A link is in service from the peer's HELLO
+        (:meth:`watch`): before that the peer is still starting (linking to other ranks, loading), and the
+        start-up timeout is what bounds it, not the hang timeout. ``interval`` 0 disables heartbeats (silence
+        is still detected). ``only_to(peer)``: beat to a peer only while it is true. An FFN rank beats only
+        to the attention ranks it owes results: those wait on their links and read them, while an idle
+        attention rank reads nothing, and beats to it would fill its receive ring and block the sender."""
         if interval and interval >= link_timeout:
             raise ValueError(f"heartbeat interval {interval} s must be below the link timeout {link_timeout} s")
         self.link_timeout = link_timeout
-        now = time.monotonic()
-        self._last_seen = {p: now for p in range(self.num_peers)}
         if interval:
             self._heartbeat = threading.Thread(target=self._beat, args=(interval, only_to), name=f"{self.name} heartbeat", daemon=True)
             self._heartbeat.start()
 
+    def watch(self, peer: int) -> None:
+        """The link to ``peer`` is in service (its HELLO arrived): beat to it and watch it for silence."""
+        self._silent_ok.discard(peer)
+        self._last_seen[peer] = time.monotonic()
+
     def _beat(self, interval: float, only_to) -> None:
         while not self._stop.wait(interval / 2):
             now = time.monotonic()
-            for peer in range(self.num_peers):
+            for peer in list(self._last_seen):
                 if peer in self._silent_ok or now - self._last_sent.get(peer, 0.0) < interval:
                     continue
                 if (only_to is not None and not only_to(peer)) or not self._has_room(peer):
@@ -113,11 +114,11 @@ class Mailbox(ABC):
                     self._silent_ok.add(peer)
 
     def check_silence(self, peers=None) -> None:
-        """Raise PeerSilentError if a live peer (of ``peers``, default all) has been silent past the link timeout."""
+        """Raise PeerSilentError if a peer in service (of ``peers``, default all) has been silent past the link timeout."""
         if self.link_timeout is None:
             return
         now = time.monotonic()
-        for peer, seen in self._last_seen.items():
+        for peer, seen in list(self._last_seen.items()):
             if peers is not None and peer not in peers:
                 continue
             if peer not in self._silent_ok and now - seen > self.link_timeout:
@@ -133,13 +134,10 @@ class Mailbox(ABC):
         """Send to one peer. The message's tensors may still be read after this returns (an accelerator
         transport sends asynchronously, without a copy): never modify them in place afterwards."""
         header_bytes, tensors = encode(message)
-        payload = [flat_bytes(t.to(self.wire_device)) for t in tensors]  # 1-d uint8, views where possible
-        if self.jitter:
-            time.sleep(random.uniform(0.0, self.jitter))
-        if self.fault is not None and message.header.kind == Kind.WORK:
-            self._work_sent += 1
-            if self._work_sent == self.fault[1]:
-                header_bytes, payload = inject(self.fault[0], message.header, header_bytes, payload)
+        self.send_frame(peer, message.header, header_bytes, [flat_bytes(t.to(self.wire_device)) for t in tensors])
+
+    def send_frame(self, peer: int, header: Header, header_bytes: bytes, payload: list[torch.Tensor]) -> None:
+        """Send one encoded frame: ``payload`` is 1-d uint8 tensors (views where possible) on ``wire_device``."""
         with self._send_lock:
             self._send(peer, header_bytes, payload)
             self._last_sent[peer] = time.monotonic()
@@ -148,7 +146,7 @@ class Mailbox(ABC):
         self.stats.bytes_sent += len(header_bytes) + n_payload
         self.stats.payload_bytes_sent[peer] = self.stats.payload_bytes_sent.get(peer, 0) + n_payload
         if self.io_log:
-            log.info("%s -> %s: %s", self.name, self.peer_name(peer), _describe(message.header))
+            log.info("%s -> %s: %s", self.name, self.peer_name(peer), _describe(header))
 
     def recv(self, timeout: float) -> Message | None:
         """The next message from any peer, or None after ``timeout`` seconds."""
@@ -171,8 +169,11 @@ class Mailbox(ABC):
             self._release()
         self.stats.messages_received += 1
         self.stats.bytes_received += n + payload_len
-        self._last_seen[peer] = time.monotonic()
-        if header.kind == Kind.HEARTBEAT:
+        if peer in self._last_seen:
+            self._last_seen[peer] = time.monotonic()
+        if header.kind == Kind.HELLO:
+            self.watch(peer)
+        elif header.kind == Kind.HEARTBEAT:
             self.stats.heartbeats_received += 1
         elif header.kind == Kind.SHUTDOWN:
             # the last message on its link: stop listening at once, before the caller even looks at it,
@@ -197,6 +198,10 @@ class Mailbox(ABC):
     def _release(self) -> None:
         """Give the transport's receive buffer back (after the payload was copied out)."""
 
+    def connect(self, timeout: float) -> None:
+        """Finish opening the links (the second half of starting, after the constructor's own): wait at most
+        ``timeout`` s for the peers. A transport whose constructor linked everything does nothing here."""
+
     def reconnect(self, peer: int, generation: int, timeout: float = 30.0) -> None:
         """Open new links to a peer's replacement (generation ``generation``); the transport must support it."""
         raise NotImplementedError(f"{type(self).__name__}: links cannot be reopened (a replacement rank needs the shm or tcp transport)")
@@ -206,9 +211,9 @@ class Mailbox(ABC):
         raise NotImplementedError(f"{type(self).__name__}: links cannot be reopened (a restarted rank needs the shm or tcp transport)")
 
     def _rejoin(self, peer: int) -> None:
-        """After :meth:`reconnect`: the peer is listened to, beaten to and watched for silence again."""
+        """After :meth:`reconnect`: the peer is listened to again; it is watched for silence from its HELLO."""
         self._silent_ok.discard(peer)
-        self._last_seen[peer] = time.monotonic()
+        self._last_seen.pop(peer, None)
         self._last_sent.pop(peer, None)
 
     def forget(self, peer: int) -> None:

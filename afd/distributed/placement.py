@@ -2,7 +2,7 @@
 
 A placement maps every logical expert to one or more FFN ranks. With one copy per expert (the
 default, contiguous blocks) an FFN failure stops the server; ``--redundant-experts N`` adds N copies
-beyond the logical experts, so that a rank's experts survive on other ranks (afd/connectors/endpoints.py
+beyond the logical experts, so that a rank's experts survive on other ranks (afd/connectors/dispatch.py
 re-dispatches the work a failed rank held).
 
 **The copy a row uses** is a pure function of (logical expert, the row's key, the live FFN ranks):

@@ -109,7 +109,7 @@ class Topology:
         return self.placement or ExpertPlacement.contiguous(num_experts, self.num_ffn_ranks, self.redundant_experts)
 
 
-MAX_ATTENTION_RANKS = 64  # the contributor bitmask of a work header (afd/connectors/protocol.py)
+MAX_ATTENTION_RANKS = 64  # the contributor bitmask of a work header (afd/connectors/wire.py)
 
 
 def validate_topology(topology: Topology, num_experts: int) -> ExpertPlacement:

@@ -12,18 +12,17 @@ from typing import Iterable, Sequence
 import torch
 from tqdm import tqdm
 
-from afd.config import CacheConfig, EngineConfig, SamplingParams
+from afd.config import CacheConfig, EngineArgs, EngineConfig, SamplingParams
 from afd.engine.detokenizer import OutputText
 from afd.engine.request import Request, RequestOutput, Status, TokenDelta
 from afd.engine.budget import engine_limits
-from afd.engine.runner import ModelRunner
+from afd.engine.model_runner import ModelRunner, Runner
 from afd.engine.sampling import PROMPT_LOGITS_BYTES, PenaltyState, PositionLogprobs, logprobs_of, make_generator, sample
 from afd.engine.scheduler import Scheduler
 from afd.engine.tokenizer import Tokenizer
 from afd.kvcache import BlockManager, PagedKVCache
 from afd.models import WeightSelection, load_model
 from afd.models.base import MoEModel
-from afd.models.quant import DEFAULT_FP8_MODE
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ class LLMEngine:
     (the reference for every disaggregated mode); with a :class:`DisaggregatedRunner` the FFN
     half of each layer runs on the FFN ranks."""
 
-    def __init__(self, model: MoEModel, tokenizer: Tokenizer | None, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+    def __init__(self, model: MoEModel, tokenizer: Tokenizer | None, config: EngineConfig, runner: Runner | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -67,34 +66,21 @@ class LLMEngine:
         self.limits = None  # the EngineLimits it was sized by, when built by from_pretrained
 
     @classmethod
-    def from_pretrained(
-        cls,
-        model_dir: str | Path,
-        dtype: str = "auto",
-        kv_cache_memory: int = 256 << 20,
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        device: str = "cpu",
-        max_step_memory: int | None = None,
-        max_model_len: int | None = None,
-        fp8_weights: str = DEFAULT_FP8_MODE,
-        enable_prefix_caching: bool = True,
-    ) -> "LLMEngine":
+    def from_pretrained(cls, model_dir: str | Path, args: EngineArgs = EngineArgs(), device: str = "cpu") -> "LLMEngine":
         """The monolithic engine of a checkpoint. The token cap, step memory and context left None
         are derived (afd/engine/budget.py); ``engine.limits`` says what they came to."""
-        model, _ = load_model(model_dir, dtype=dtype, selection=WeightSelection.full(), device=device, fp8=fp8_weights)
+        model, _ = load_model(model_dir, dtype=args.dtype, selection=WeightSelection.full(), device=device, fp8=args.fp8_weights)
         model_dtype = model.model.embed_tokens.weight.dtype
-        limits = engine_limits(model.config, model_dtype, kv_cache_memory, block_size, max_num_seqs, max_model_len, max_step_memory,
-                               max_num_batched_tokens)
+        limits = engine_limits(model.config, model_dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_model_len,
+                               args.max_step_memory, args.max_num_batched_tokens)
         config = EngineConfig(
-            cache=CacheConfig(block_size=block_size, num_blocks=limits.num_blocks),
-            max_num_seqs=max_num_seqs,
+            cache=CacheConfig(block_size=args.block_size, num_blocks=limits.num_blocks),
+            max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
             dtype="bfloat16" if model_dtype == torch.bfloat16 else "float32",
             device=device,
             max_model_len=limits.max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()  # without one, prompts are token ids
         engine = cls(model, Tokenizer(model_dir) if has_tokenizer else None, config)
@@ -150,7 +136,8 @@ class LLMEngine:
     def must_step(self) -> bool:
         """Whether to step now: requests are unfinished, or the agreed steps of the attention ranks go on
         (a disaggregated rank votes every step of a wave, with work or not)."""
-        return self.scheduler.has_unfinished() or getattr(self.runner, "in_wave", False)
+        waves = self.runner.waves
+        return self.scheduler.has_unfinished() or (waves is not None and waves.in_wave)
 
     def abort(self, request_id: int) -> bool:
         """Drop a request wherever it is (waiting or running) and free its KV blocks; False if unknown or done."""
@@ -203,7 +190,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
-            if getattr(self.runner, "in_wave", False):
+            if self.runner.waves is not None and self.runner.waves.in_wave:
                 self.runner.idle()  # no work here this step: vote, run nothing
                 return []
             raise RuntimeError("scheduler produced an empty step with unfinished requests (KV cache too small?)")

@@ -14,10 +14,7 @@ Work re-dispatched after an FFN rank failed (``Op.RETRY``) is its sender's alone
 as it arrives, never merged. With redundant expert copies and the gate here, this rank keeps only the
 slots whose chosen copy is its own (afd/distributed/placement.py), under the FFN members each part names.
 
-Every part is checked before it is kept: a known layer, operations that fit that layer, per attention
-rank (step, layer, micro-batch) strictly increasing (the ping-pong schedule dispatches in that order),
-a sender among the contributors, and the same epoch, contributors and operations as the union's other
-parts -- a mismatch is a protocol error naming both ranks, never a silently mispaired tensor.
+The parts are checked and kept in afd/ffn/unions.py.
 
 Counters: unions computed (``batches``), non-empty parts per union, expert GEMMs and their rows, the
 straggler wait (first part to last part of a union), and busy time both as CPU time of the computing
@@ -27,38 +24,23 @@ thread (what the work costs) and as wall time (which also grows when processes o
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
-from afd.connectors.endpoints import WorkItem, error_message, parse_work, result_message
-from afd.connectors.protocol import Header, Kind, Op, ProtocolError, Role, make_message
 from afd.connectors.transport import Mailbox, PeerDiedError, PeerSilentError
+from afd.connectors.wire import Header, Kind, Op, ProtocolError, Role, make_message
+from afd.connectors.work import WorkItem, error_message, parse_work, result_message
 from afd.distributed.placement import CopyTable, ExpertPlacement, mask_ranks
+from afd.ffn.unions import Union, Unions
 from afd.models.base import MoEModel
 from afd.types import Routing
 
 log = logging.getLogger(__name__)
 
 SILENCE_CHECK_S = 0.25  # while busy, the attention ranks' silence is checked at most this often
-
-
-@dataclass(slots=True)
-class _Union:
-    """The parts of one (epoch, step, layer, micro-batch) received so far."""
-
-    members: int  # contributor bitmask
-    ops: Op
-    parts: dict[int, WorkItem] = field(default_factory=dict)  # attention rank -> its part
-    placement: int = 0  # the placement version every part was dispatched under
-
-    def is_whole(self, lost: int = 0) -> bool:
-        """Every contributor's part is here, but for those of the lost attention ranks (bitmask ``lost``)."""
-        return all(a in self.parts for a in _ranks(self.members & ~lost))
 
 
 class FFNWorker:
@@ -71,7 +53,6 @@ class FFNWorker:
         self.versions: dict[int, tuple[MoEModel, ExpertPlacement | None]] = {placement_version: (model, placement)}
         self._offered: queue.Queue = queue.Queue()  # (version, model, placement) loaded by another thread, installed between rounds
         self.on_installed = None  # called with the version once its experts are usable here
-        self._newest_seen: dict[int, int] = {}  # attention rank -> the newest placement version it sent work under
         self._retired_counts: dict[tuple[int, int], int] = {}  # per-expert tokens of the experts of retired versions
         self._tables: dict[tuple[int, int], CopyTable] = {}  # (placement version, FFN members mask) -> the copy choice
         self.mailbox = mailbox
@@ -79,18 +60,15 @@ class FFNWorker:
         self._first_model = model
         self.num_attention_ranks = num_attention_ranks
         self.poll_interval = poll_interval
+        self.unions = Unions(mailbox.name, mailbox.index, model.config)
         self.items_served = 0  # non-empty parts computed
-        self.empty_parts = 0
         self.tokens_served = 0
         self.batches = 0  # unions computed (one or more non-empty parts each)
         self.expert_gemms = 0  # expert GEMM pairs run
         self.expert_gemm_rows = 0  # rows over all of them
-        self.retries = 0  # re-dispatched parts computed (Op.RETRY)
-        self.lost_attention = 0  # bitmask of attention ranks that died (their parts never come)
         self.attention_restart = False  # a lost attention rank is restarted: wait for it (its HELLO takes it back)
         self.attention_restarts = 0  # attention ranks taken back after a restart
         self._greeted: set[int] = set()  # attention ranks that said HELLO (another HELLO is a restart's)
-        self._rejoined: dict[int, int] = {}  # attention rank -> the epoch its restart contributes from (older unions: without it)
         self._relink: queue.Queue = queue.Queue()  # (attention rank, incarnation): open its restart's links; None: it is
         # not restarted, stop waiting for it (another thread asks)
         self._open: set[int] = set()
@@ -98,22 +76,16 @@ class FFNWorker:
         self._checked_at = 0.0
         self._late: list = []
         self.max_drain = 256
-        self.delay = 0.0  # seconds slept per batch: a slow FFN side, for tests and benchmarks
-        self.fault: tuple[int, int] | None = None  # tests (AFD_FAULT=ffn-kill|ffn-hang@N): (signal, n): raise it at the n-th work part
-        self._work_received = 0
         self.busy_s = 0.0  # wall time computing
         self.busy_cpu_s = 0.0  # CPU time of this thread computing
         self.straggler_wait_s = 0.0  # summed over unions: first part received -> last part received
-        self.owed: dict[int, int] = {}  # attention rank -> parts received with rows, results not yet sent
         self.tokens_by_rank: dict[int, int] = {}  # attention rank -> rows computed for it
         self.spans: deque = deque(maxlen=200_000)  # (start, end, layer, ((attention rank, mb, seq), ...), rows)
-        self.arrivals: deque = deque(maxlen=200_000)  # (attention rank, seq, layer, micro-batch) in arrival order
-        self._last: dict[tuple[int, int], tuple[int, int, int]] = {}  # (attention rank, epoch) -> last (seq, layer, micro-batch)
-        self._unions: dict[tuple[int, int, int, int], _Union] = {}  # (epoch, seq, layer, micro-batch) -> parts so far
         self.on_tick = None  # called with no arguments when counters changed, at most every tick_interval s
         self.tick_interval = 1.0
         self._ticked_at = 0.0
         self._ticked_batches = 0
+        self.idle = True  # as of the last report: no work waited (the counters had settled)
 
     def compute(self, layer: int, ops: Op, hidden: torch.Tensor, routing, shared_rows: torch.Tensor | None = None,
                 model: MoEModel | None = None) -> torch.Tensor:
@@ -148,76 +120,7 @@ class FFNWorker:
 
     def stats(self) -> dict[str, float]:
         return {**self.live_stats(), "heartbeats_received": self.mailbox.stats.heartbeats_received, "spans": list(self.spans),
-                "arrivals": list(self.arrivals)}
-
-    def _check(self, h) -> None:
-        me = self.mailbox.name
-        cfg = self.model.config
-        if not 0 <= h.layer < cfg.num_layers:
-            raise ProtocolError(f"{me}: work from {h.source} for layer {h.layer}, the model has {cfg.num_layers}")
-        if (Op.DENSE in h.ops) == cfg.is_moe_layer(h.layer):
-            raise ProtocolError(f"{me}: work from {h.source} asks for ops {int(h.ops)} on layer {h.layer}, which is {'an MoE' if cfg.is_moe_layer(h.layer) else 'a dense'} layer")
-        if not h.members >> h.src_index & 1:
-            raise ProtocolError(f"{me}: work from {h.source}, which is not among the step's contributors {_ranks(h.members)}")
-        if not h.ffn_members >> self.mailbox.index & 1:
-            raise ProtocolError(f"{me}: work from {h.source} dispatched to FFN ranks {mask_ranks(h.ffn_members)}, not to this one")
-        key = (h.seq, h.layer, h.microbatch)
-        last = self._last.get((h.src_index, h.epoch))
-        if Op.RETRY in h.ops:  # a re-dispatch: alone, and of work already sent (the first attempt went to every live rank)
-            if h.members != 1 << h.src_index:
-                raise ProtocolError(f"{me}: re-dispatched work from {h.source} names contributors {_ranks(h.members)}: a retry is its sender's alone")
-            if last is None or key > last:
-                raise ProtocolError(f"{me}: re-dispatched work from {h.source} for (seq {h.seq}, layer {h.layer}, micro-batch "
-                                    f"{h.microbatch}), which it never dispatched (its last: {last})")
-            return
-        if last is not None and key <= last:
-            raise ProtocolError(
-                f"{me}: work from {h.source} out of order: (seq {h.seq}, layer {h.layer}, micro-batch {h.microbatch}) "
-                f"after (seq {last[0]}, layer {last[1]}, micro-batch {last[2]}) in epoch {h.epoch}"
-            )
-        self._last[(h.src_index, h.epoch)] = key
-
-    def _add(self, item: WorkItem) -> tuple[tuple[int, int, int, int], _Union] | None:
-        """Keep one part; the union's key and parts when this part made it whole."""
-        h = item.header
-        key = (h.epoch, h.seq, h.layer, h.microbatch)
-        if h.placement not in self.versions:
-            raise ProtocolError(f"{self.mailbox.name}: work from {h.source} under expert placement version {h.placement}; this rank "
-                                f"holds versions {sorted(self.versions)}")
-        if h.placement > self._newest_seen.get(h.src_index, -1):
-            self._newest_seen[h.src_index] = h.placement
-        if Op.RETRY in h.ops:  # whole at once: its own union
-            self.retries += 1
-            self.arrivals.append((h.src_index, h.seq, h.layer, h.microbatch))
-            self.owed[h.src_index] = self.owed.get(h.src_index, 0) + 1
-            return (*key, 1 + h.src_index), _Union(h.members, h.ops, {h.src_index: item}, h.placement)
-        union = self._unions.get(key)
-        if union is None:
-            union = self._unions[key] = _Union(h.members, h.ops, placement=h.placement)
-        elif (union.members, union.ops, union.placement) != (h.members, h.ops, h.placement):
-            raise ProtocolError(
-                f"{self.mailbox.name}: work from {h.source} for (epoch {h.epoch}, seq {h.seq}, layer {h.layer}, micro-batch "
-                f"{h.microbatch}) names contributors {_ranks(h.members)}, ops {int(h.ops)} and placement {h.placement}; other "
-                f"parts said {_ranks(union.members)}, {int(union.ops)} and {union.placement}"
-            )
-        union.parts[h.src_index] = item
-        self.arrivals.append((h.src_index, h.seq, h.layer, h.microbatch))
-        if h.num_tokens:
-            self.owed[h.src_index] = self.owed.get(h.src_index, 0) + 1
-        else:
-            self.empty_parts += 1
-        if union.is_whole(self._excused(h.epoch)):
-            return key, self._unions.pop(key)
-        return None
-
-    def _excused(self, epoch: int) -> int:
-        """The attention ranks whose parts a union of ``epoch`` does not wait for (bitmask): the lost ones, and
-        a restart taken back in a later epoch (the union named its lost predecessor)."""
-        mask = self.lost_attention
-        for rank, since in self._rejoined.items():
-            if epoch < since:
-                mask |= 1 << rank
-        return mask
+                "arrivals": list(self.unions.arrivals)}
 
     def _check_silence(self, open_ranks: set[int]) -> list:
         """A hung attention rank (silent past the link timeout): reported, then treated as lost; the unions
@@ -242,12 +145,7 @@ class FFNWorker:
             self.mailbox.forget(rank)
         if not self.attention_restart:  # else it stays open: its restart says HELLO on new links
             open_ranks.discard(rank)
-        self.lost_attention |= 1 << rank
-        self.owed.pop(rank, None)
-        whole = [(key, u) for key, u in self._unions.items() if u.is_whole(self._excused(key[0]))]
-        for key, _ in whole:
-            del self._unions[key]
-        return whole
+        return self.unions.lose(rank)
 
     @torch.inference_mode()
     def serve(self) -> None:
@@ -274,6 +172,7 @@ class FFNWorker:
                     whole = self._check_silence(open_ranks)  # idle is not failure; a silent attention rank is
                 for key, union in sorted(whole, key=lambda kv: kv[0]):
                     self._serve_union(key[2], union)
+                self._tick(idle=not whole)
                 continue
             batch = [msg]
             while len(batch) < self.max_drain:  # everything already waiting joins this round
@@ -298,8 +197,8 @@ class FFNWorker:
                 elif h.kind == Kind.HEARTBEAT:
                     continue
                 elif h.kind == Kind.HELLO:  # the version was checked when the header was read
-                    if self.lost_attention >> h.src_index & 1 or h.src_index in self._greeted:  # a restart
-                        if not self.lost_attention >> h.src_index & 1:  # its predecessor's end was not seen (tcp: its link replaced)
+                    if self.unions.lost >> h.src_index & 1 or h.src_index in self._greeted:  # a restart
+                        if not self.unions.lost >> h.src_index & 1:  # its predecessor's end was not seen (tcp: its link replaced)
                             whole += self._attention_lost(h.src_index, open_ranks, forget=False)
                         self._readmit(h.src_index, h.epoch)
                     self._greeted.add(h.src_index)
@@ -308,12 +207,8 @@ class FFNWorker:
                     try:
                         if h.kind != Kind.WORK:
                             raise ProtocolError(f"{self.mailbox.name}: unexpected {h.kind.name} from {h.source}")
-                        self._work_received += 1
-                        if self.fault is not None and self._work_received == self.fault[1]:
-                            log.warning("%s: injected fault: signal %d at work part %d", self.mailbox.name, *self.fault)
-                            os.kill(os.getpid(), self.fault[0])
-                        self._check(h)
-                        done = self._add(parse_work(msg, self.mailbox.name))
+                        self.unions.check(h)
+                        done = self.unions.add(parse_work(msg, self.mailbox.name), self.versions)
                         if done is not None:
                             whole.append(done)
                     except ProtocolError as e:
@@ -321,7 +216,9 @@ class FFNWorker:
                         raise
             for key, union in sorted(whole, key=lambda kv: kv[0]):
                 self._serve_union(key[2], union)
-        if self.lost_attention == (1 << self.num_attention_ranks) - 1:  # nobody said SHUTDOWN: their host is gone
+            if not any(m.header.kind == Kind.WORK for m in batch):  # heartbeats only: the work so far is all done
+                self._tick(idle=True)
+        if self.unions.lost == (1 << self.num_attention_ranks) - 1:  # nobody said SHUTDOWN: their host is gone
             raise PeerDiedError(f"{self.mailbox.name}: every attention rank is gone without a SHUTDOWN (their node, or the run, died)")
 
     def relink(self, attention_rank: int, incarnation: int | None) -> None:
@@ -342,12 +239,7 @@ class FFNWorker:
     def _readmit(self, rank: int, epoch: int) -> None:
         """A lost attention rank's restart said HELLO: it contributes again from ``epoch`` (the one the other
         attention ranks took it back in; 0 for the only one, whose steps count from the start again)."""
-        self.lost_attention &= ~(1 << rank)
-        self._rejoined[rank] = epoch
-        for key in [k for k in self._last if k[0] == rank]:  # its steps count from the start again
-            del self._last[key]
-        self._newest_seen.pop(rank, None)
-        self.owed.pop(rank, None)
+        self.unions.readmit(rank, epoch)
         self._open.add(rank)
         self.attention_restarts += 1
         log.warning("%s: attention rank %d is back (restarted), a contributor from epoch %d", self.mailbox.name, rank, epoch)
@@ -369,7 +261,7 @@ class FFNWorker:
         """Drop the experts of versions no sender uses any more (every open one sent work under a newer one)."""
         if len(self.versions) < 2 or not open_ranks:
             return
-        oldest_used = min(self._newest_seen.get(a, 0) for a in open_ranks)
+        oldest_used = min(self.unions.newest_seen.get(a, 0) for a in open_ranks)
         for v in [v for v in self.versions if v < oldest_used]:
             model, _ = self.versions.pop(v)
             for key, n in model.expert_token_counts().items():
@@ -385,26 +277,28 @@ class FFNWorker:
 
     def owes(self, attention_rank: int) -> bool:
         """Whether results are still owed to this attention rank (it waits, so it reads its link)."""
-        return self.owed.get(attention_rank, 0) > 0
+        return self.unions.owed.get(attention_rank, 0) > 0
 
-    def _tick(self) -> None:
-        """Call ``on_tick`` (live counters) at most every ``tick_interval`` s, and only after new work."""
-        if self.on_tick is None or self.batches == self._ticked_batches:
+    def _tick(self, idle: bool = False) -> None:
+        """Call ``on_tick`` (live counters) only after new work: at most every ``tick_interval`` s while busy, and
+        at once when the rank falls idle (so the counters a server exports settle with the work)."""
+        if self.on_tick is None or (self.batches == self._ticked_batches and (self.idle or not idle)):
             return
         now = time.monotonic()
-        if now - self._ticked_at >= self.tick_interval:
-            self._ticked_at, self._ticked_batches = now, self.batches
+        if idle or now - self._ticked_at >= self.tick_interval:
+            self._ticked_at, self._ticked_batches, self.idle = now, self.batches, idle
             self.on_tick()
 
     def live_stats(self) -> dict:
         """The counters a server exports (no spans): work served, busy time, per-expert tokens."""
-        return {"items": self.items_served, "empty_parts": self.empty_parts, "tokens": self.tokens_served, "batches": self.batches,
+        return {"items": self.items_served, "empty_parts": self.unions.empty_parts, "tokens": self.tokens_served, "batches": self.batches,
                 "items_per_batch": self.items_served / max(1, self.batches), "expert_gemms": self.expert_gemms,
                 "mean_gemm_rows": self.mean_gemm_rows, "busy_s": self.busy_s, "busy_cpu_s": self.busy_cpu_s,
-                "straggler_wait_s": self.straggler_wait_s, "tokens_by_rank": dict(self.tokens_by_rank), "retries": self.retries,
+                "straggler_wait_s": self.straggler_wait_s, "tokens_by_rank": dict(self.tokens_by_rank), "retries": self.unions.retries,
+                "idle": self.idle,
                 "expert_tokens": self.expert_token_counts(), "placement_version": self.placement_version}
 
-    def _serve_union(self, layer: int, union: _Union) -> None:
+    def _serve_union(self, layer: int, union: Union) -> None:
         arrived = [it.received_at for it in union.parts.values()]
         self.straggler_wait_s += max(arrived) - min(arrived)
         items = [union.parts[a] for a in sorted(union.parts) if union.parts[a].header.num_tokens]  # attention-rank order
@@ -421,18 +315,16 @@ class FFNWorker:
         if Op.ROUTE in ops and placement is not None and placement.redundant:
             routing, ops = self._own_slots(layer, hidden, items, model, union.placement), ops & ~Op.ROUTE
         out = self.compute(layer, ops, hidden, routing, shared, model).to(hidden.dtype)
-        if self.delay:  # an injected slow FFN side counts as compute time
-            time.sleep(self.delay)
         t1 = time.perf_counter()
         self.busy_s += t1 - t0
-        self.busy_cpu_s += time.thread_time() - c0 + self.delay
+        self.busy_cpu_s += time.thread_time() - c0
         self.spans.append((t0, t1, layer, tuple((it.header.src_index, it.header.microbatch, it.header.seq) for it in items), int(hidden.shape[0])))
         self.batches += 1
         start = 0
         for it in items:
             n = it.hidden.shape[0]
             h = it.header
-            if self._excused(h.epoch) >> h.src_index & 1:  # computed with the others; nobody to answer (a lost one's part)
+            if self.unions.excused(h.epoch) >> h.src_index & 1:  # computed with the others; nobody to answer (a lost one's part)
                 start += n
                 continue
             try:
@@ -443,7 +335,7 @@ class FFNWorker:
                 self._late += self._attention_lost(e.peer, self._open)
                 start += n
                 continue
-            self.owed[h.src_index] -= 1
+            self.unions.owed[h.src_index] -= 1
             start += n
             self.items_served += 1
             self.tokens_served += n
@@ -472,7 +364,3 @@ class FFNWorker:
             self.mailbox.send(attention_rank, error_message(self.mailbox.index, attention_rank, text))
         except Exception:  # the peer may be gone too; the launcher reports this rank's exit
             log.debug("could not report error to attention rank %d", attention_rank)
-
-
-def _ranks(mask: int) -> list[int]:
-    return [a for a in range(mask.bit_length()) if mask >> a & 1]

@@ -17,13 +17,13 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from afd.config import ModelConfig
+from afd.config import DEFAULT_FP8_MODE, FP8_MODES, ModelConfig
 from afd.kernels import ops as native_ops
 from afd.models.base import MoEModel
 from afd.models.checkpoint import CheckpointError, CheckpointReader
 from afd.models.hf_config import load_model_config, read_config_json
 from afd.models.layers import GroupedExperts
-from afd.models.quant import DEFAULT_FP8_MODE, FP8_MODES, SCALE_SUFFIX, Fp8Linear, dequantize, fp8_format
+from afd.models.quant import SCALE_SUFFIX, Fp8Linear, dequantize, fp8_format
 from afd.models.registry import model_class
 
 log = logging.getLogger(__name__)

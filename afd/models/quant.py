@@ -28,8 +28,6 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-FP8_MODES = ("dequantize", "keep")
-DEFAULT_FP8_MODE = "dequantize"  # faster decode at batch 8 on the synthetic V3 (docs/benchmarks.md)
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 
 

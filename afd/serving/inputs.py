@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from afd.config import SamplingParams
-from afd.serving.protocol import ChatMessage, CompletionRequest, _Request
+from afd.serving.api_models import ChatMessage, CompletionRequest, _Request
 
 #: used when the tokenizer config has no ``chat_template``: each message as a speaker's turn of a
 #: play, then the assistant's cue (documented in docs/user-guide.md)

@@ -27,6 +27,7 @@ class Metrics:
         self.in_flight = Gauge("afd_requests_in_flight", "Requests the front end is serving", registry=r)
         self.requests_moved = Counter("afd_requests_moved", "Requests moved from a lost replica to another (resumed from what "
                                       "they had streamed)", registry=r)
+        self.rebalance_checks = Counter("afd_rebalance_checks", "Checks of the FFN load by --rebalance-every", registry=r)
 
     def bind(self, frontend) -> None:
         """Export the replicas' and ranks' counters, read from ``frontend`` at each scrape."""
@@ -61,7 +62,8 @@ class _EngineCollector:
 
     def collect(self):
         stats = list(enumerate(self.frontend.replica_stats))
-        ffn = self.frontend.replicas.ffn_stats()
+        status = self.frontend.client.status()
+        ffn = status.ffn_stats
 
         def gauge(name, doc, key, labels=("replica",)):
             g = GaugeMetricFamily(name, doc, labels=list(labels))
@@ -119,6 +121,12 @@ class _EngineCollector:
         yield rtt
         yield trips
         yield wait
+        sent = CounterMetricFamily("afd_connector_rows_sent", "Rows each attention rank sent each FFN rank (what the FFN rank's "
+                                   "afd_ffn_rows add up to once it has answered everything)", labels=["rank", "ffn"])
+        for i, s in stats:
+            for ffn_rank, n in (s.get("connector_rows_sent") or {}).items():
+                sent.add_metric([str(i), str(ffn_rank)], n)
+        yield sent
         redo = CounterMetricFamily("afd_connector_redispatched", "In-flight (step, layer, micro-batch) units sent again to surviving "
                                    "expert copies after an FFN rank was lost", labels=["rank"])
         stale = CounterMetricFamily("afd_connector_stale_results", "Results of a re-dispatched attempt that arrived and were dropped",
@@ -129,29 +137,25 @@ class _EngineCollector:
                 stale.add_metric([str(i)], s["connector_stale_results"])
         yield redo
         yield stale
-        replica_losses = getattr(self.frontend.replicas, "replica_losses", None)
-        if replica_losses is not None:
+        if status.disaggregated:
             gone = CounterMetricFamily("afd_replicas_lost", "Attention ranks lost while serving (their requests moved, or waited "
                                        "for a restart)")
-            gone.add_metric([], len(replica_losses()))
+            gone.add_metric([], len(status.replica_losses))
             yield gone
             again = CounterMetricFamily("afd_replicas_restarted", "Lost attention ranks restarted and back in use")
-            again.add_metric([], len(self.frontend.replicas.replica_restarts()))
+            again.add_metric([], len(status.replica_restarts))
             yield again
-        losses = getattr(self.frontend.replicas, "ffn_losses", None)
-        if losses is not None:
             lost = CounterMetricFamily("afd_ffn_ranks_lost", "FFN ranks the run went on without (died, or killed when found hung)")
-            lost.add_metric([], len(losses()))
+            lost.add_metric([], len(status.ffn_losses))
             yield lost
             back = CounterMetricFamily("afd_ffn_replacements", "Replacement FFN ranks started after a loss and back in use")
-            back.add_metric([], len(self.frontend.replicas.ffn_replacements()))
+            back.add_metric([], len(status.ffn_replacements))
             yield back
-            done = self.frontend.replicas.rebalances()
             moves = CounterMetricFamily("afd_rebalances", "Expert placements recomputed from measured load and moved to")
-            moves.add_metric([], len(done))
+            moves.add_metric([], len(status.rebalances))
             yield moves
             version = GaugeMetricFamily("afd_placement_version", "The expert placement version every rank uses")
-            version.add_metric([], done[-1]["version"] if done else 0)
+            version.add_metric([], status.placement_version)
             yield version
         rows = GaugeMetricFamily("afd_ffn_mean_gemm_rows", "Mean rows per expert GEMM on each FFN rank", labels=["rank"])
         items = GaugeMetricFamily("afd_ffn_items_per_batch", "Mean non-empty parts (attention ranks) per computed union", labels=["rank"])
@@ -167,8 +171,12 @@ class _EngineCollector:
             ffn_rows.add_metric([rank], s["tokens"])
             straggler.add_metric([rank], s["straggler_wait_s"])
         retries = CounterMetricFamily("afd_ffn_retries", "Re-dispatched parts (Op.RETRY) the FFN rank computed", labels=["rank"])
+        idle = GaugeMetricFamily("afd_ffn_idle", "1 when the FFN rank's last report came with no work waiting: its counters "
+                                 "have settled", labels=["rank"])
         for name, s in ffn.items():
             retries.add_metric([name.rsplit(" ", 1)[-1]], s.get("retries", 0))
+            idle.add_metric([name.rsplit(" ", 1)[-1]], 1.0 if s.get("idle") else 0.0)
+        yield idle
         yield rows
         yield items
         yield batches

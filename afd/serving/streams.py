@@ -13,7 +13,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from afd.config import SamplingParams
 from afd.engine.request import TokenDelta
-from afd.serving.frontend import Frontend, ReplicaFailed, RequestRejected, ServiceUnavailable
+from afd.runtime.clients import ReplicaFailed
+from afd.serving.frontend import Frontend, RequestRejected, ServiceUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,8 @@ deliberately broken run *fails* the same check (the canary).
 2. expert ids: identical sets per token, except tokens whose reference gap
    between the k-th and (k+1)-th router score is below ``tie_margin`` (reported);
 3. greedy tokens: identical up to the first step whose reference top-2 logit
-   gap is below ``tie_gap`` (steps compared are reported);
+   gap is below ``tie_gap``, over at least ``min_compared`` steps (steps
+   compared are reported; too few fails);
 4. bf16: mean absolute error against the fp32 reference at most ``factor`` x
    the bf16 reference's own (the mean, not the max: in bf16 a near-tied router
    decision may flip in either implementation, and one flipped token dominates
@@ -95,24 +96,28 @@ class GreedyReport:
     num_steps: int
     num_compared: int  # steps compared before the first near-tie (or all)
     first_mismatch: int | None
+    min_compared: int = 1  # fewer steps compared than this is a failure: a check of nothing is no check
 
     @property
     def ok(self) -> bool:
-        return self.first_mismatch is None
+        return self.first_mismatch is None and self.num_compared >= self.min_compared
 
     def __str__(self) -> str:
-        return f"greedy: {self.num_compared}/{self.num_steps} steps compared, first mismatch {self.first_mismatch}"
+        short = f" (fewer than the {self.min_compared} required)" if self.num_compared < self.min_compared else ""
+        return f"greedy: {self.num_compared}/{self.num_steps} steps compared{short}, first mismatch {self.first_mismatch}"
 
 
-def compare_greedy(ref_tokens: Sequence[int], got_tokens: Sequence[int], ref_top2_gaps: Sequence[float], tie_gap: float = 1e-3) -> GreedyReport:
-    """Token-identical up to the first step whose reference top-2 logit gap is below ``tie_gap``."""
+def compare_greedy(ref_tokens: Sequence[int], got_tokens: Sequence[int], ref_top2_gaps: Sequence[float], tie_gap: float = 1e-3,
+                   min_compared: int = 1) -> GreedyReport:
+    """Token-identical up to the first step whose reference top-2 logit gap is below ``tie_gap``, over at least
+    ``min_compared`` steps (a near-tie at step 0 compares nothing: that fails, it does not pass)."""
     n = min(len(ref_tokens), len(ref_top2_gaps))
     for i in range(n):
         if ref_top2_gaps[i] < tie_gap:
-            return GreedyReport(n, i, None)  # step i and later may legitimately differ
+            return GreedyReport(n, i, None, min_compared)  # step i and later may legitimately differ
         if i >= len(got_tokens) or got_tokens[i] != ref_tokens[i]:
-            return GreedyReport(n, i, i)
-    return GreedyReport(n, n, None)
+            return GreedyReport(n, i, i, min_compared)
+    return GreedyReport(n, n, None, min_compared)
 
 
 def top2_gap(logits: torch.Tensor) -> float:

@@ -53,24 +53,22 @@ print("RESULT " + json.dumps(out), flush=True)
 def afd_side(model: str, batches: list[int], prompt_len: int, new: int, repeats: int) -> dict:
     import torch
 
-    from afd.config import SamplingParams
+    from afd.config import EngineArgs, SamplingParams
     from afd.engine.llm_engine import LLMEngine
-    from afd.engine.core import CoreSpec, EngineCoreProcess
-    from afd.engine.ranks import EngineArgs
-    from afd.serving.frontend import CoreReplicas, LocalReplicas, run_offline
+    from afd.runtime.clients import LocalClient, engine_core_client
+    from afd.serving.offline import run_offline
 
     torch.set_num_threads(1)
-    engine = LLMEngine.from_pretrained(model, dtype="float32")
+    engine = LLMEngine.from_pretrained(model, EngineArgs(dtype="float32"))
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     rng = random.Random(0)
     out: dict[str, dict[int, float]] = {"engine": {}, "front end": {}, "engine core": {}}
-    os.environ["AFD_NUM_THREADS"] = "1"
-    core = EngineCoreProcess(CoreSpec(Path(model), EngineArgs(dtype="float32")))
+    core = engine_core_client(Path(model), EngineArgs(dtype="float32"), threads=1)
     for b in batches:
         prompts = [[rng.randrange(10, 4000) for _ in range(prompt_len)] for _ in range(b)]
         for name, run in (("engine", lambda: engine.generate(prompts, params)),
-                          ("front end", lambda: run_offline(LocalReplicas(engine), engine.tokenizer, prompts, params)),
-                          ("engine core", lambda: run_offline(CoreReplicas(core), engine.tokenizer, prompts, params, shutdown=False))):
+                          ("front end", lambda: run_offline(LocalClient(engine), engine.tokenizer, prompts, params)),
+                          ("engine core", lambda: run_offline(core, engine.tokenizer, prompts, params, shutdown=False))):
             run()
             rates = []
             for _ in range(repeats):

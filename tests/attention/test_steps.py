@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from afd.attention.steps import DEAD_KEY, StepPlane
 from afd.config import PipelineConfig
-from afd.pipeline import CostModel
+from afd.microbatch import CostModel
 
 PIPELINE = PipelineConfig(mode="async", num_microbatches=2)
 

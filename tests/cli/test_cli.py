@@ -9,8 +9,10 @@ import sys
 
 import pytest
 
-from afd.config import SamplingParams
+from afd.config import EngineArgs, SamplingParams
 from afd.engine.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.procs
 
 
 def afd(*args, check=True):
@@ -22,7 +24,7 @@ def test_generate_json_equals_the_engine(checkpoints):
     path, _ = checkpoints["qwen3-norm-topk"]
     out = afd("generate", str(path), "--prompt", "To be", "--prompt", "Now is the", "--max-tokens", "8", "--dtype", "float32", "--json", "--ignore-eos")
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    engine = LLMEngine.from_pretrained(path, dtype="float32")
+    engine = LLMEngine.from_pretrained(path, EngineArgs(dtype="float32"))
     ref = engine.generate(["To be", "Now is the"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert [r["prompt"] for r in rows] == ["To be", "Now is the"]
     assert [r["token_ids"] for r in rows] == [r.token_ids for r in ref]
@@ -149,7 +151,7 @@ def test_monolithic_on_cuda_equals_cpu():
     got = json.loads(out.stdout)["token_ids"]
     model = load_model(BUILTIN_MODEL, dtype="float32")[0]
     ref, gaps = greedy_with_gaps(model, Tokenizer(BUILTIN_MODEL).encode("ROMEO:"), 24)
-    report = compare_greedy(ref, got, gaps)
+    report = compare_greedy(ref, got, gaps, min_compared=8)
     assert report.ok, str(report)
 
 

@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-from afd.connectors.endpoints import AttentionEndpoint
-from afd.connectors.protocol import Role
+from afd.connectors.dispatch import AttentionEndpoint
 from afd.connectors.transport import LoopbackHub, LoopbackMailbox, PeerDiedError
+from afd.connectors.wire import Role
 from afd.distributed.placement import ExpertPlacement
 from afd.distributed.topology import Topology, parse_devices, validate_topology
 from afd.ffn.worker import FFNWorker
@@ -119,7 +119,7 @@ def test_work_in_flight_on_a_lost_rank_is_redispatched_and_stale_results_are_dro
             assert report.ok, str(report)
             assert set(h.rows) <= {0, 2}
         assert ranks.endpoint.stale_results == 4  # the first attempt's answers from ranks 0 and 2, both micro-batches
-        assert sum(w.retries for w in ranks.workers) == 4
+        assert sum(w.unions.retries for w in ranks.workers) == 4
 
 
 def test_without_a_surviving_copy_the_loss_names_the_experts(model, ffn_models):
@@ -140,8 +140,8 @@ def test_a_restarted_attention_rank_counts_in_unions_only_from_the_epoch_it_rejo
     """Attention rank 2 dies while a union of epoch 0 names it; its restart is taken back in epoch 2. The old
     union is whole without it even after the restart's HELLO (a survivor's part may come late: a long
     prefill), and a union of epoch 2 waits for the restart's part."""
-    from afd.connectors.endpoints import WorkItem
-    from afd.connectors.protocol import Header, Kind, Op
+    from afd.connectors.wire import Header, Kind, Op
+    from afd.connectors.work import WorkItem
 
     hub = LoopbackHub()
     worker = FFNWorker(ffn_models[0], LoopbackMailbox(hub, Role.FFN, 0, 3), 3, placement=PLACEMENT)
@@ -154,12 +154,13 @@ def test_a_restarted_attention_rank_counts_in_unions_only_from_the_epoch_it_rejo
         return WorkItem(h, torch.zeros(0, hidden), None, None)
 
     try:
-        assert worker._add(part(0, 0, 7, 0b111)) is None
+        add = lambda item: worker.unions.add(item, worker.versions)  # noqa: E731
+        assert add(part(0, 0, 7, 0b111)) is None
         assert worker._attention_lost(2, {0, 1, 2}) == []  # rank 1's part is still to come
         worker._readmit(2, 2)  # its restart said HELLO for epoch 2
-        assert worker._add(part(1, 0, 7, 0b111)) is not None  # the old union: whole without rank 2
-        assert worker._add(part(0, 2, 9, 0b101)) is None  # epoch 2: the restart contributes
-        assert worker._add(part(2, 2, 9, 0b101)) is not None
-        assert worker._excused(1) == 0b100 and worker._excused(2) == 0
+        assert add(part(1, 0, 7, 0b111)) is not None  # the old union: whole without rank 2
+        assert add(part(0, 2, 9, 0b101)) is None  # epoch 2: the restart contributes
+        assert add(part(2, 2, 9, 0b101)) is not None
+        assert worker.unions.excused(1) == 0b100 and worker.unions.excused(2) == 0
     finally:
         hub.close()

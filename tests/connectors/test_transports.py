@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from afd.connectors.protocol import Header, Kind, Role, TensorName, make_message
 from afd.connectors.shm import ShmMailbox, create_links
 from afd.connectors.transport import LoopbackHub, LoopbackMailbox, PeerDiedError
+from afd.connectors.wire import Header, Kind, Role, TensorName, make_message
 
 
 def _msg(i: int, rows: int) -> object:
@@ -21,8 +21,14 @@ def _msg(i: int, rows: int) -> object:
     )
 
 
+def _shm(run_dir, role, num_slots=2, slot_bytes=4096) -> ShmMailbox:
+    box = ShmMailbox(run_dir, role, 0, 1, num_slots=num_slots, slot_bytes=slot_bytes)
+    box.connect(30)
+    return box
+
+
 def _echo_ffn(run_dir, n):
-    box = ShmMailbox(run_dir, Role.FFN, 0, 1, num_slots=2, slot_bytes=64 << 10)
+    box = _shm(run_dir, Role.FFN, slot_bytes=64 << 10)
     for _ in range(n):
         m = box.recv(30)
         h = m.header
@@ -31,13 +37,14 @@ def _echo_ffn(run_dir, n):
     box.close()
 
 
+@pytest.mark.procs
 def test_shm_is_byte_exact_across_processes_and_ring_wraps(tmp_path):
     n = 25  # > num_slots: the ring wraps and the producer waits for space
     create_links(tmp_path, 1, 1, num_slots=2, slot_bytes=64 << 10)
     peer = mp.get_context("spawn").Process(target=_echo_ffn, args=(tmp_path, n))
     peer.start()
     try:
-        box = ShmMailbox(tmp_path, Role.ATTENTION, 0, 1, num_slots=2, slot_bytes=64 << 10)
+        box = _shm(tmp_path, Role.ATTENTION, slot_bytes=64 << 10)
         for i in range(n):
             sent = _msg(i, rows=1 + 37 * i % 200)
             box.send(0, sent)
@@ -60,13 +67,13 @@ def test_shm_receive_times_out_quietly_when_idle(tmp_path):
     a_box = {}
 
     def open_ffn():
-        a_box["ffn"] = ShmMailbox(tmp_path, Role.FFN, 0, 1, 2, 4096)
+        a_box["ffn"] = _shm(tmp_path, Role.FFN)
 
     import threading
 
     th = threading.Thread(target=open_ffn)
     th.start()
-    attn = ShmMailbox(tmp_path, Role.ATTENTION, 0, 1, 2, 4096)
+    attn = _shm(tmp_path, Role.ATTENTION)
     th.join()
     t0 = time.monotonic()
     assert attn.recv(0.3) is None
@@ -98,16 +105,20 @@ def _say_shutdown_and_exit(transport, arg, peer_open):
 
 def _open(transport, role, arg):
     if transport == "shm":
-        return ShmMailbox(arg, role, 0, 1, num_slots=2, slot_bytes=4096)
+        return _shm(arg, role)
     if transport == "tcp":
         from afd.connectors.tcp import TcpMailbox
 
-        return TcpMailbox(role, 0, 1, 1, "127.0.0.1", arg, timeout=30)
-    from afd.connectors.torch_dist import TorchMailbox
+        box = TcpMailbox(role, 0, 1, 1, "127.0.0.1", arg, timeout=30)
+    else:
+        from afd.connectors.torch_dist import TorchMailbox
 
-    return TorchMailbox(role, 0, 1, 1, "127.0.0.1", arg, timeout=30)
+        box = TorchMailbox(role, 0, 1, 1, "127.0.0.1", arg, timeout=30)
+    box.connect(30)
+    return box
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("transport", ["shm", "tcp", "torch"])
 def test_shutdown_then_close_is_not_a_death(transport, tmp_path):
     """A peer that says SHUTDOWN and exits at once: its link's EOF may already be there when the receiver
@@ -139,15 +150,16 @@ def test_shutdown_then_close_is_not_a_death(transport, tmp_path):
             peer.kill()
 
 
-def _send_two(transport, arg, sent):
+def _send_two(transport, arg, sent, drained):
     box = _open(transport, Role.ATTENTION, arg)
     for i in range(2):  # the shm ring of _open has two slots
         box.send(0, _msg(i, rows=4))
     sent.set()
-    time.sleep(5)  # keep the link open while the receiver drains
+    assert drained.wait(30), "the receiver did not drain the link"  # keep the link open until it has
     box.close()
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("transport", ["shm", "tcp", "torch", "loopback"])
 def test_a_zero_timeout_receive_returns_what_is_already_waiting(transport, tmp_path):
     """The FFN loop drains waiting work with recv(0.0): it must return messages already delivered (on shm
@@ -168,8 +180,8 @@ def test_a_zero_timeout_receive_returns_what_is_already_waiting(transport, tmp_p
         store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
         arg = store.port
     ctx = mp.get_context("spawn")
-    sent = ctx.Event()
-    peer = ctx.Process(target=_send_two, args=(transport, arg, sent))
+    sent, drained = ctx.Event(), ctx.Event()
+    peer = ctx.Process(target=_send_two, args=(transport, arg, sent, drained))
     peer.start()
     try:
         box = _open(transport, Role.FFN, arg)
@@ -183,8 +195,11 @@ def test_a_zero_timeout_receive_returns_what_is_already_waiting(transport, tmp_p
                 rest.append(got)
             elif transport == "shm":
                 break  # shm delivers into the ring before the sender returns: nothing may be missing
+        drained.set()
         assert first.header.seq == 0 and [m.header.seq for m in rest] == [1]
         box.close()
+        peer.join(10)
+        assert peer.exitcode == 0
     finally:
         peer.kill()
         peer.join(10)
@@ -204,11 +219,14 @@ def test_tcp_is_byte_exact_reports_a_death_and_reconnects_to_a_replacement():
     boxes = {}
 
     def open_ffn(generation):
-        boxes[generation] = TcpMailbox(Role.FFN, 0, 1, 1, "127.0.0.1", store.port, timeout=30, generation=generation)
+        box = TcpMailbox(Role.FFN, 0, 1, 1, "127.0.0.1", store.port, timeout=30, generation=generation)
+        box.connect(30)
+        boxes[generation] = box
 
     th = threading.Thread(target=open_ffn, args=(0,))
     th.start()
     attn = TcpMailbox(Role.ATTENTION, 0, 1, 1, "127.0.0.1", store.port, timeout=30)
+    attn.connect(30)
     th.join()
     ffn = boxes[0]
     import socket

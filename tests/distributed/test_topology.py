@@ -82,7 +82,7 @@ def test_backend_follows_the_devices(attention, ffn, backend):
 def test_absent_accelerators_are_named_before_any_rank_starts(monkeypatch):
     """A device this host lacks is named when the launcher is built: nothing is spawned."""
     from afd.cli.common import BUILTIN_MODEL
-    from afd.engine.launcher import Cluster
+    from afd.runtime.cluster import Cluster
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(TopologyError, match=r"cuda:1 asked for, but this host has no CUDA device"):

@@ -8,7 +8,7 @@ import torch
 
 from afd.config import CacheConfig
 from afd.engine.budget import StepBudget, engine_limits
-from afd.engine.runner import ModelRunner
+from afd.engine.model_runner import ModelRunner
 from afd.kvcache import BlockManager, SeqChunk
 from afd.models import paged_attention
 from afd.models.hf_config import parse_hf_config

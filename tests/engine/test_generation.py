@@ -46,10 +46,13 @@ def test_chunked_prefill_and_small_budgets_match_one_shot(model, model_dir):
     ref_engine = engine(model, model_dir)
     ref = ref_engine.generate(PROMPTS, params)
     chunked = engine(model, model_dir, max_num_batched_tokens=3, max_num_seqs=3).generate(PROMPTS, params)
+    compared = 0
     for r, c, prompt in zip(ref, chunked, PROMPTS):
         gaps = _reference_gaps(model, model_dir, prompt, r.token_ids)
-        report = compare_greedy(r.token_ids, c.token_ids, gaps)
+        report = compare_greedy(r.token_ids, c.token_ids, gaps, min_compared=0)  # a random model may tie at once: the total counts
         assert report.ok, f"{prompt!r}: {report}"
+        compared += report.num_compared
+    assert compared >= 32, f"only {compared} of {16 * len(PROMPTS)} greedy steps compared"
 
 
 def test_preemption_recomputes_and_completes(model, model_dir):
@@ -59,9 +62,12 @@ def test_preemption_recomputes_and_completes(model, model_dir):
     out = small.generate(PROMPTS, params)
     assert small.scheduler.num_preemptions > 0
     assert small.blocks.num_free_blocks == small.blocks.num_blocks
+    compared = 0
     for r, o, prompt in zip(ref, out, PROMPTS):
-        report = compare_greedy(r.token_ids, o.token_ids, _reference_gaps(model, model_dir, prompt, r.token_ids))
+        report = compare_greedy(r.token_ids, o.token_ids, _reference_gaps(model, model_dir, prompt, r.token_ids), min_compared=0)
         assert report.ok, f"{prompt!r}: {report}"
+        compared += report.num_compared
+    assert compared >= 40, f"only {compared} of {20 * len(PROMPTS)} greedy steps compared"
 
 
 def _reference_gaps(model, model_dir, prompt, tokens):

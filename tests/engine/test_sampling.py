@@ -14,7 +14,13 @@ import torch
 
 from afd.config import CacheConfig, EngineConfig, SamplingParams
 from afd.engine.llm_engine import LLMEngine
-from afd.engine.sampling import PenaltyState, logprobs_of, make_generator, process_logits, sample
+from afd.engine.sampling import (
+    PenaltyState,
+    logprobs_of,
+    make_generator,
+    process_logits,
+    sample,
+)
 from afd.engine.tokenizer import Tokenizer
 from afd.models import load_model
 

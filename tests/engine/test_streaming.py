@@ -11,14 +11,25 @@ import pytest
 import torch
 
 from afd.cli.common import BUILTIN_MODEL
-from afd.config import SamplingParams
+from afd.config import EngineArgs, SamplingParams
 from afd.engine.llm_engine import LLMEngine
+from afd.engine.messages import (
+    AbortRequest,
+    AddRequests,
+    Deltas,
+    NewRequest,
+    Rejected,
+    StatsReport,
+    Stopped,
+    StopServing,
+    UnhandledMessage,
+)
 from afd.engine.serve_loop import serve_requests
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine.from_pretrained(BUILTIN_MODEL, dtype="float32", kv_cache_memory=16 << 20)
+    return LLMEngine.from_pretrained(BUILTIN_MODEL, EngineArgs(dtype="float32", kv_cache_memory=16 << 20))
 
 
 def stream(engine, prompt, params):
@@ -90,27 +101,37 @@ def test_serving_loop_protocol(engine):
     t = threading.Thread(target=serve_requests, args=(engine, back), daemon=True)
     t.start()
     want = engine.generate(["ROMEO:"], SamplingParams(max_tokens=12, temperature=0))[0]
-    front.send(("add", 7, engine.tokenizer.encode("ROMEO:"), SamplingParams(max_tokens=12, temperature=0)))
-    front.send(("add", 8, list(range(2000)), SamplingParams(max_tokens=4)))  # longer than the context
-    front.send(("add", 9, engine.tokenizer.encode("KING:"), SamplingParams(max_tokens=500, temperature=0)))
-    front.send(("abort", 9))
+    front.send(AddRequests((NewRequest(7, tuple(engine.tokenizer.encode("ROMEO:")), SamplingParams(max_tokens=12, temperature=0)),
+                            NewRequest(8, tuple(range(2000)), SamplingParams(max_tokens=4)))))  # longer than the context
+    front.send(AddRequests((NewRequest(9, tuple(engine.tokenizer.encode("KING:")), SamplingParams(max_tokens=500, temperature=0)),)))
+    front.send(AbortRequest(9))
     text, rejected, last_stats = "", None, None
     while True:
-        msg = front.recv()
-        if msg[0] == "rejected":
-            rejected = msg[1:]
-        elif msg[0] == "deltas":
-            assert all(d.tag in (7, 9) for d in msg[1])
-            text += "".join(d.text for d in msg[1] if d.tag == 7)
-            last_stats = msg[2]
-            if any(d.tag == 7 and d.finish_reason for d in msg[1]):
-                break
+        match front.recv():
+            case Rejected() as rejected:
+                pass
+            case Deltas(deltas, stats):
+                assert all(d.tag in (7, 9) for d in deltas)
+                text += "".join(d.text for d in deltas if d.tag == 7)
+                last_stats = stats
+                if any(d.tag == 7 and d.finish_reason for d in deltas):
+                    break
+            case StatsReport():
+                pass
     assert text == want.text
-    assert rejected[0] == 8 and "context" in rejected[1]
-    front.send(("stop",))
-    while (msg := front.recv())[0] != "stopped":
+    assert rejected.rid == 8 and "context" in rejected.message
+    front.send(StopServing())
+    while not isinstance(msg := front.recv(), Stopped):
         pass
     t.join(10)
     assert not t.is_alive()
-    assert msg[1]["kv_blocks_used"] == 0 and msg[1]["steps"] >= last_stats["steps"]
-    assert sum(msg[1]["expert_tokens"].values()) > 0
+    assert msg.stats["kv_blocks_used"] == 0 and msg.stats["steps"] >= last_stats["steps"]
+    assert sum(msg.stats["expert_tokens"].values()) > 0
+
+
+def test_a_message_the_loop_does_not_know_fails_it_loudly(engine):
+    """An unknown command is a bug the loop names, not a tuple it skips."""
+    front, back = mp.Pipe()
+    front.send(("add", 7, [1, 2, 3], SamplingParams(max_tokens=2)))  # the old string-tagged form
+    with pytest.raises(UnhandledMessage, match="serving loop: no handler for tuple"):
+        serve_requests(engine, back)

@@ -17,13 +17,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from afd.config import PipelineConfig
+from afd.config import EngineArgs, PipelineConfig
 from afd.distributed.topology import Topology, parse_devices
-from afd.engine.launcher import Cluster
-from afd.engine.ranks import EngineArgs
-from afd.models import WeightSelection, load_model
-from afd.models import quant
+from afd.models import WeightSelection, load_model, quant
 from afd.models.quant import Fp8Linear
+from afd.runtime.messages import Capture
 from tests import support
 
 BLOCK = (12, 24)
@@ -168,6 +166,7 @@ def test_ffn_rank_reads_only_its_experts_and_their_scales(fp8_case):
     assert set(report.tensors) == {n for n in want if not n.endswith("_scale_inv")}
 
 
+@pytest.mark.procs
 def test_fp8_split_keep_mode_equals_monolithic(fp8_case):
     """fp8 held on the FFN ranks (keep), gate on the FFN side, async, A != F."""
     path, ref, _ = fp8_case
@@ -175,9 +174,9 @@ def test_fp8_split_keep_mode_equals_monolithic(fp8_case):
     ref_values, ref_logits = support.monolithic_capture(model, PROMPTS)
     t = Topology(parse_devices("cpu,cpu"), parse_devices("cpu,cpu,cpu"), transport="loopback", gate="ffn")
     engine = EngineArgs(dtype="float32", kv_cache_memory=16 << 20, block_size=4, fp8_weights="keep")
-    with Cluster(path, t, engine, pipeline=PipelineConfig("async", 2, "token")) as cluster:
+    with support.cluster(path, t, engine, pipeline=PipelineConfig("async", 2, "token")) as cluster:
         for rank in range(2):
-            values, logits = cluster.request(rank, ("capture", PROMPTS), "capture")
+            values, logits = cluster.request(rank, Capture(PROMPTS))
             failures = support.split_parity_failures(model, ref_values, ref_logits, values, logits, check_topk=False)
             assert not failures, "\n".join(failures)
 

@@ -13,9 +13,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from afd.models import CheckpointError, MissingWeightsError, UnsupportedArchitectureError, WeightSelection, load_model
-from afd.kvcache import SeqChunk, build_attention_metadata, PagedKVCache
 from afd.config import CacheConfig
+from afd.kvcache import PagedKVCache, SeqChunk, build_attention_metadata
+from afd.models import (
+    CheckpointError,
+    MissingWeightsError,
+    UnsupportedArchitectureError,
+    WeightSelection,
+    load_model,
+)
 from afd.testing.parity import compare_values
 
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
@@ -216,6 +222,7 @@ print(json.dumps({"peak_delta_kb": status("VmHWM") - before, "bytes_read": repor
 """
 
 
+@pytest.mark.procs
 @pytest.mark.slow
 def test_role_peak_memory_on_a_500mb_checkpoint(tmp_path):
     total = write_big_checkpoint(tmp_path / "big")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from afd.config import CacheConfig
-from afd.engine.runner import ModelRunner
+from afd.engine.model_runner import ModelRunner
 from afd.kernels import ops as native_ops
 from afd.kvcache import BlockManager, SeqChunk, build_attention_metadata
 from afd.models import load_model
@@ -39,6 +39,13 @@ def cache_and_tables(contexts: list[int], hk: int, dk: int, dv: int, seed: int =
 
 
 DECODE = {"kernel": pa.decode_attention, "reference": pa.decode_attention_reference}
+
+
+@pytest.fixture(autouse=True)
+def the_kernel_is_built_where_compared(request):
+    """A "kernel" case compares the native decode kernel: it must be the one that ran, not its torch twin."""
+    if getattr(request.node, "callspec", None) is not None and request.node.callspec.params.get("impl") == "kernel":
+        assert native_ops() is not None, "afd/kernels did not build here: the kernel case would test the reference"
 
 
 def test_the_native_decode_kernel_is_built_here():

@@ -5,13 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afd.config import CacheConfig, SamplingParams
+from afd.config import CacheConfig, EngineConfig, SamplingParams
 from afd.engine.llm_engine import LLMEngine
-from afd.config import EngineConfig
-from afd.engine.runner import ModelRunner
+from afd.engine.model_runner import ModelRunner
 from afd.kvcache import BlockManager, SeqChunk
 from afd.models import load_model
-from afd.testing.parity import compare_bf16, compare_greedy, compare_topk, compare_values, top2_gap
+from afd.testing.parity import (
+    compare_bf16,
+    compare_greedy,
+    compare_topk,
+    compare_values,
+    top2_gap,
+)
 from tests import support
 
 CASES = [*support.DEEPSEEK_CASES, *support.QWEN_CASES, *support.DEEPSEEK_V3_CASES, *support.GLM_CASES]
@@ -119,7 +124,7 @@ def test_greedy_continuation_matches_transformers(checkpoints, case):
                 logits = hf(torch.tensor([seq]), use_cache=False).logits[0, -1]
                 gaps.append(top2_gap(logits))
                 seq.append(int(logits.argmax()))
-        report = compare_greedy(seq[len(prompt) :], out.token_ids, gaps)
+        report = compare_greedy(seq[len(prompt) :], out.token_ids, gaps, min_compared=0)  # a prompt may tie at once: the total counts
         assert report.ok, str(report)
         compared += report.num_compared
     assert compared >= steps, f"only {compared} greedy steps compared: too many near-ties"

@@ -15,11 +15,13 @@ import torch
 
 from afd.cli.common import BUILTIN_MODEL
 from afd.config import CacheConfig
-from afd.engine.runner import ModelRunner
+from afd.engine.model_runner import ModelRunner
 from afd.engine.tokenizer import Tokenizer
 from afd.kvcache import BlockManager, SeqChunk
 from afd.models import load_model
 from tests.serving.server_proc import Server
+
+pytestmark = pytest.mark.procs
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures").glob("*.json"))
 CASES = [(f.stem, i, r) for f in FIXTURES for i, r in enumerate(json.loads(f.read_text())["requests"])]

@@ -8,8 +8,12 @@ import os
 import signal
 import time
 
+import pytest
 
 from tests.serving.server_proc import MODEL_NAME, Server
+from tests.support import wait_for
+
+pytestmark = pytest.mark.procs
 
 REDUNDANT = ["--attention-ranks", "1", "--ffn-ranks", "2", "--redundant-experts", "8", "--hang-timeout", "2"]
 STREAMS = 6
@@ -24,6 +28,7 @@ def _run(s: Server, fault=None) -> dict:
     return s.streams([_payload(i) for i in range(STREAMS)], fault)
 
 
+@pytest.mark.faults
 def test_ffn_ranks_killed_then_hung_under_load_cost_no_request_and_change_no_text():
     """Two attention ranks, two FFN ranks, every expert on both. FFN rank 1 is killed under load: each
     attention rank sees the loss on its own, and the replacement is taken back at an agreed step. Then FFN
@@ -43,14 +48,9 @@ def test_ffn_ranks_killed_then_hung_under_load_cost_no_request_and_change_no_tex
             assert s.get("/health").status_code == 200
             assert s.metric("afd_ffn_ranks_lost_total") == n and s.metric("afd_connector_redispatched_total") >= n
             if sig == signal.SIGSTOP:  # found hung and killed by the launcher, so no one waits on it again
-                deadline = time.monotonic() + 10
-                while _state(pid) not in ("Z", "gone") and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                assert _state(pid) in ("Z", "gone")
+                wait_for(lambda: _state(pid) in ("Z", "gone"), 10, f"{victim} (stopped) killed")
             # the launcher starts a replacement, which loads its experts and is linked back in
-            deadline = time.monotonic() + 90
-            while time.monotonic() < deadline and s.metric("afd_ffn_replacements_total", wait=0) < n:
-                time.sleep(0.2)
+            wait_for(lambda: s.metric("afd_ffn_replacements_total", wait=0) >= n, 90, f"the replacement of {victim} back in use")
             assert s.metric("afd_ffn_replacements_total", wait=0) == n
             ranks = [r for r in s.get("/health").json()["ranks"] if r["name"] == victim]
             assert (pid, "lost") in [(r["pid"], r["state"]) for r in ranks]
@@ -71,17 +71,20 @@ def _state(pid: int) -> str:
 
 
 def _rows_by_rank(s: Server) -> list[float]:
-    """Rows each FFN rank computed so far, once its counters stopped moving (an FFN rank reports them at
-    most once a second: read too soon, a run's last rows would count in the next one)."""
-    rows = None
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        now = [s.rank_metric("afd_ffn_rows_total", str(r)) for r in range(2)]
-        if now == rows:
-            return now
-        rows = now
-        time.sleep(1.5)
-    return rows
+    """Rows each FFN rank computed so far, once its reports account for every row the attention ranks sent it
+    (an FFN rank reports at most once a second while busy: read too soon, a run's last rows would count in the
+    next one)."""
+    def settled() -> list[float] | None:
+        text = s.get("/metrics").text
+        ffn = [_sample(text, "afd_ffn_rows_total", f'rank="{r}"') for r in range(2)]
+        sent = [_sample(text, "afd_connector_rows_sent_total", f'ffn="{r}"') for r in range(2)]
+        return ffn if ffn == sent else None
+
+    return wait_for(settled, 30, "the FFN ranks' counters accounting for every row sent")
+
+
+def _sample(text: str, name: str, label: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") and label in line)
 
 
 def _imbalance(before: list[float], after: list[float]) -> float:
@@ -102,9 +105,7 @@ def test_a_rebalance_while_serving_lowers_the_max_over_mean_ffn_load_and_changes
         decision = s.post("/rebalance").json()
         assert decision["changed"] and decision["after"] < decision["before"], decision
         pending = _run(s)  # requests served while the move happens
-        deadline = time.monotonic() + 60
-        while s.metric("afd_placement_version", wait=0) < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for(lambda: s.metric("afd_placement_version", wait=0) >= 1, 60, "placement version 1 in use")
         assert s.metric("afd_placement_version") == 1 and s.metric("afd_rebalances_total") == 1
         rows = _rows_by_rank(s)
         after_run = _run(s)
@@ -123,12 +124,12 @@ def test_the_rebalance_timer_moves_a_skewed_placement_by_itself():
         reference = _run(s)
         deadline = time.monotonic() + 60
         while s.metric("afd_placement_version", wait=0) < 1 and time.monotonic() < deadline:
-            _run(s)  # the switch happens at a step: keep steps coming
+            _run(s)  # the switch happens at a step: keep steps coming (a wait with work in it)
         assert s.metric("afd_rebalances_total") >= 1
         assert any("automatic rebalance: FFN load max/mean" in line for line in s.stderr)
         for _ in range(3):
             assert _run(s) == reference
-        moves = s.metric("afd_rebalances_total")
-        time.sleep(1.5)  # three more checks
+        moves, checks = s.metric("afd_rebalances_total"), s.metric("afd_rebalance_checks_total")
+        wait_for(lambda: s.metric("afd_rebalance_checks_total", wait=0) >= checks + 3, 30, "three more checks of the load")
         assert _run(s) == reference
         assert s.metric("afd_rebalances_total") == moves <= 3, "the timer keeps moving a placement the load has settled"

@@ -13,6 +13,9 @@ import httpx
 import pytest
 
 from tests.serving.server_proc import MODEL_NAME, Server
+from tests.support import wait_for
+
+pytestmark = pytest.mark.procs
 
 ONE_A_ONE_F = ["--attention-ranks", "1", "--ffn-ranks", "1", "--transport", "shm", "--mode", "async", "--num-microbatches", "2", "--split", "token"]
 
@@ -96,10 +99,8 @@ def test_client_disconnect_mid_stream_frees_its_blocks(server):
         got = [line for line, _ in zip((x for x in lines if x.startswith("data:")), range(3))]
         assert len(got) == 3
     # closed after 3 tokens of 900: the request is aborted and its KV blocks return to the pool
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (server.metric("afd_kv_blocks_used") or server.metric("afd_requests_in_flight")):
-        time.sleep(0.1)
-    assert server.metric("afd_kv_blocks_used") == 0 and server.metric("afd_requests_in_flight") == 0
+    wait_for(lambda: not (server.metric("afd_kv_blocks_used") or server.metric("afd_requests_in_flight")), 10,
+             "the aborted request's KV blocks freed")
     assert _aborted(server) > aborted_before
     assert server.post("/v1/completions", json=body()).status_code == 200
 
@@ -130,9 +131,7 @@ def _kill_under_load(s: Server, pid: int, streams: int = 6) -> list:
                for i in range(streams)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
-    while s.metric("afd_generation_tokens_total", wait=0) < 5 * streams and time.monotonic() < deadline:
-        time.sleep(0.1)  # under load: every stream has produced tokens
+    wait_for(lambda: s.metric("afd_generation_tokens_total", wait=0) >= 5 * streams, 30, "every stream producing tokens")
     t_kill.append(time.monotonic())
     os.kill(pid, signal.SIGKILL)
     for t in threads:
@@ -141,6 +140,7 @@ def _kill_under_load(s: Server, pid: int, streams: int = 6) -> list:
     return results
 
 
+@pytest.mark.faults
 def test_killing_an_ffn_rank_fails_in_flight_requests_and_exits_nonzero():
     s = Server(*ONE_A_ONE_F)
     try:
@@ -159,6 +159,7 @@ def test_killing_an_ffn_rank_fails_in_flight_requests_and_exits_nonzero():
         s.assert_nothing_left()
 
 
+@pytest.mark.faults
 def test_killing_the_engine_core_process_fails_in_flight_requests_and_exits_naming_it():
     """A monolithic server's engine runs in a process of its own: its death is a replica's death."""
     s = Server()
@@ -177,6 +178,7 @@ def test_killing_the_engine_core_process_fails_in_flight_requests_and_exits_nami
         s.assert_nothing_left()
 
 
+@pytest.mark.faults
 def test_monolithic_engine_failure_fails_requests_and_exits_nonzero():
     """The engine core of a monolithic server raises (injected at its 30th step): the stream in flight
     gets an error naming it, a request after it gets 503 or no connection, the server exits 1."""
@@ -201,6 +203,7 @@ def test_monolithic_engine_failure_fails_requests_and_exits_nonzero():
         s.assert_nothing_left()
 
 
+@pytest.mark.faults
 def test_sigterm_finishes_short_requests_aborts_long_ones_and_leaves_nothing():
     # a slowed FFN side (20 ms per batch, >= 60 ms per step) makes 1000 tokens take a minute whatever the
     # machine, while 8 tokens still finish well within the 3 s deadline
@@ -212,14 +215,10 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_leaves_nothing():
         threads = [threading.Thread(target=_stream_until_done, args=(s.url, p, results, t_term)) for p in payloads]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 30
-        while s.metric("afd_requests_in_flight", wait=0) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: s.metric("afd_requests_in_flight", wait=0) >= 4, 30, "four requests in flight")
         t_term.append(time.monotonic())
         s.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        with pytest.raises(httpx.ConnectError):  # no longer accepting
-            httpx.post(s.url + "/v1/completions", json=body(), timeout=5)
+        wait_for(lambda: _refuses(s.url), 5, "the server refusing new connections after SIGTERM")
         for t in threads:
             t.join(30)
         s.proc.wait(30)
@@ -234,6 +233,14 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_leaves_nothing():
         if s.proc.poll() is None:
             s.proc.kill()
         s.assert_nothing_left()
+
+
+def _refuses(url: str) -> bool:
+    try:
+        httpx.post(url + "/v1/completions", json=body(), timeout=5)
+    except httpx.ConnectError:
+        return True
+    return False
 
 
 def test_busy_port_fails_at_once_and_starts_nothing():

@@ -12,11 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from afd.cli.common import BUILTIN_MODEL
+from afd.config import EngineArgs
 from afd.engine.llm_engine import LLMEngine
-from afd.serving.frontend import Frontend, LocalReplicas
+from afd.runtime.clients import LocalClient
+from afd.serving.api_models import ChatCompletionRequest, CompletionRequest
+from afd.serving.app import ServerState, create_app
+from afd.serving.frontend import Frontend
 from afd.serving.metrics import Metrics
-from afd.serving.protocol import ChatCompletionRequest, CompletionRequest
-from afd.serving.server import ServerState, create_app
 
 JUNK = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True, allow_infinity=True)
@@ -32,9 +34,9 @@ SMALL = st.integers(-3, 6)
 def client():
     from fastapi.testclient import TestClient
 
-    engine = LLMEngine.from_pretrained(BUILTIN_MODEL, dtype="float32", kv_cache_memory=32 << 20)
+    engine = LLMEngine.from_pretrained(BUILTIN_MODEL, EngineArgs(dtype="float32", kv_cache_memory=32 << 20))
     metrics = Metrics()
-    frontend = Frontend(LocalReplicas(engine), metrics, tokenizer=engine.tokenizer)
+    frontend = Frontend(LocalClient(engine), metrics, tokenizer=engine.tokenizer)
     metrics.bind(frontend)
     app = create_app(ServerState(frontend, metrics, engine.tokenizer, BUILTIN_MODEL.name, engine.max_model_len))
 

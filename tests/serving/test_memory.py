@@ -19,6 +19,8 @@ import pytest
 from afd.cli.bench_serve import synthetic_checkpoint
 from afd.serving.spawn import ServerProcess
 
+pytestmark = pytest.mark.procs
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):

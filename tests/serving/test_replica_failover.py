@@ -13,6 +13,8 @@ import pytest
 
 from tests.serving.server_proc import MODEL_NAME, Server
 
+pytestmark = pytest.mark.procs
+
 FLAGS = ["--attention-ranks", "3", "--ffn-ranks", "1", "--hang-timeout", "2", "--no-enable-prefix-caching"]
 STREAMS = 8
 
@@ -47,6 +49,7 @@ def _replica_peak(s: Server, replica: int) -> float:
     return 0.0
 
 
+@pytest.mark.faults
 def test_lost_replicas_requests_move_unchanged_and_their_restarts_rejoin_the_steps():
     """Three attention replicas: one is killed under load, then another is stopped (found hung by the FFN
     rank after 2 s and killed by the launcher). Each time every request moves and ends unchanged, and the
@@ -71,6 +74,7 @@ def test_lost_replicas_requests_move_unchanged_and_their_restarts_rejoin_the_ste
         assert _replica_peak(s, 1) > 0 and _replica_peak(s, 2) > 0, "a restart took no request"
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_single_replica_is_restarted_and_its_requests_wait_for_it(transport):
     """One attention rank: killed under load, it is restarted (new links, the same weights), and every request

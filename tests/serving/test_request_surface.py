@@ -15,7 +15,7 @@ import torch
 
 from afd.cli.common import BUILTIN_MODEL
 from afd.engine.tokenizer import Tokenizer
-from afd.serving.protocol import ChatCompletionRequest, CompletionRequest, _accepted
+from afd.serving.api_models import ChatCompletionRequest, CompletionRequest, _accepted
 from tests.serving.server_proc import MODEL_NAME, Server
 
 DISAGG = ["--attention-ranks", "2", "--ffn-ranks", "1", "--transport", "shm", "--mode", "async", "--num-microbatches", "2", "--split", "token"]
@@ -235,7 +235,7 @@ def test_chat_template_options(mono, tok):
 def test_the_user_guide_names_every_request_field():
     from pathlib import Path
 
-    from afd.serving.protocol import ChatMessage, StreamOptions, TokenizeChatRequest
+    from afd.serving.api_models import ChatMessage, StreamOptions, TokenizeChatRequest
 
     guide = (Path(__file__).parents[2] / "docs" / "user-guide.md").read_text()
     names = {n for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, StreamOptions, TokenizeChatRequest) for n in m.model_fields}

@@ -14,11 +14,13 @@ import openai
 import pytest
 
 from afd.cli.common import BUILTIN_MODEL
-from afd.config import SamplingParams
+from afd.config import EngineArgs, SamplingParams
 from afd.engine.llm_engine import LLMEngine
 from afd.kvcache import PagedKVCache
 from afd.serving.inputs import DEFAULT_CHAT_TEMPLATE
 from tests.serving.server_proc import MODEL_NAME, Server
+
+pytestmark = pytest.mark.procs
 
 PROMPTS = ["ROMEO:", "KING.\nWhat say you", "To be"]
 CHAT = [{"role": "system", "content": "A scene in Verona."}, {"role": "user", "content": "Who art thou?"}]
@@ -43,7 +45,7 @@ def generate_reference():
 
 @pytest.fixture(scope="module")
 def reference_engine():
-    return LLMEngine.from_pretrained(BUILTIN_MODEL, dtype="float32", kv_cache_memory=64 << 20)
+    return LLMEngine.from_pretrained(BUILTIN_MODEL, EngineArgs(dtype="float32", kv_cache_memory=64 << 20))
 
 
 def one_by_one(engine: LLMEngine, prompt: str, max_tokens: int) -> tuple[list[int], list[float]]:

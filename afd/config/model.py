@@ -1,0 +1,174 @@
+"""A checkpoint's architecture, normalised: attention (GQA or MLA), rotary, the MoE layers and their router."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SUPPORTED_ACTIVATIONS = ("silu",)
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+SCORING_FUNCS = ("softmax", "sigmoid")
+ROPE_TYPES = ("default", "yarn")
+
+
+def _positive(name: str, value: int | float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding. ``interleaved``: pairs (x0,x1),(x2,x3) (DeepSeek) vs halves (Qwen)."""
+
+    theta: float
+    dim: int
+    interleaved: bool
+    type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {self.type!r}; supported: {', '.join(ROPE_TYPES)}")
+        _positive("rope theta", self.theta)
+        if self.dim % 2:
+            raise ValueError(f"rope dim must be even, got {self.dim}")
+        if self.type == "yarn":
+            _positive("yarn factor", self.factor)
+            if self.original_max_position_embeddings is None:
+                raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+
+    def softmax_scale_multiplier(self) -> float:
+        """DeepSeek's YaRN correction of the attention softmax scale (mscale_all_dim squared)."""
+        if self.type == "default" or not self.mscale_all_dim:
+            return 1.0
+        m = yarn_mscale(self.factor, self.mscale_all_dim)
+        return m * m
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek multi-head latent attention. The KV cache holds kv_lora_rank + qk_rope_head_dim per token."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _positive(name, getattr(self, name))
+        if self.q_lora_rank is not None:
+            _positive("q_lora_rank", self.q_lora_rank)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts, shared experts and the router of the MoE layers.
+
+    The router's variants (:class:`afd.models.base.Router`):
+    scoring            softmax (DeepSeek-V2, Qwen3) or sigmoid (DeepSeek-V3, GLM-4.5)
+    topk_method        greedy; group_limited_greedy (V2: a group scores its best expert);
+                       noaux_tc (V3: experts are *selected* on score + e_score_correction_bias,
+                       a group scores the sum of its top two; weights use the unbiased score)
+    scale_after_norm   V3/GLM: normalise the top-k weights (norm_topk_prob), then always scale by
+                       routed_scaling_factor; otherwise (V2/Qwen) normalise *or* scale
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    layers: tuple[int, ...]
+    num_shared_experts: int = 0
+    topk_method: str = "greedy"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = False
+    router_fp32: bool = False  # DeepSeek and GLM keep the gate weight and logits in fp32
+    scoring: str = "softmax"
+    scale_after_norm: bool = False
+
+    def __post_init__(self) -> None:
+        _positive("num_experts", self.num_experts)
+        _positive("moe_intermediate_size", self.intermediate_size)
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {self.num_experts}], got {self.top_k}")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"unsupported topk_method {self.topk_method!r}; supported: {', '.join(TOPK_METHODS)}")
+        if self.scoring not in SCORING_FUNCS:
+            raise ValueError(f"unsupported scoring_func {self.scoring!r}; supported: {', '.join(SCORING_FUNCS)}")
+        if self.topk_method in ("group_limited_greedy", "noaux_tc"):
+            if self.num_experts % self.num_groups:
+                raise ValueError(f"n_group={self.num_groups} must divide n_routed_experts={self.num_experts}")
+            if not 1 <= self.topk_groups <= self.num_groups:
+                raise ValueError(f"topk_group must be in [1, n_group={self.num_groups}], got {self.topk_groups}")
+            if self.topk_groups * (self.num_experts // self.num_groups) < self.top_k:
+                raise ValueError(f"topk_group={self.topk_groups} groups of {self.num_experts // self.num_groups} experts "
+                                 f"hold fewer than num_experts_per_tok={self.top_k}")
+        if self.topk_method == "noaux_tc" and self.num_experts // self.num_groups < 2:
+            raise ValueError("noaux_tc scores a group by its top two experts: every group needs at least 2")
+
+    @property
+    def score_bias(self) -> bool:
+        """Whether the router holds ``e_score_correction_bias`` (selection only)."""
+        return self.topk_method == "noaux_tc"
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.intermediate_size * self.num_shared_experts
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The normalised description of one checkpoint's architecture."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # GQA head dim (Qwen); for MLA see ``mla``
+    intermediate_size: int  # dense MLP layers
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    moe: MoEConfig
+    mla: MLAConfig | None = None
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    qk_norm: bool = False  # GQA: per-head RMSNorm of q and k before RoPE (Qwen3, GLM with use_qk_norm)
+    num_mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint (skipped at load)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"):
+            _positive(name, getattr(self, name))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_heads} must be a multiple of num_key_value_heads={self.num_kv_heads}")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+        bad = [i for i in self.moe.layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"MoE layer indices {bad} outside [0, {self.num_layers})")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe.layers

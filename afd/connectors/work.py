@@ -1,0 +1,53 @@
+"""The FFN side's I/O: a work part parsed and checked, and the messages an FFN rank answers with."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from afd.connectors.wire import Header, Kind, Message, Op, ProtocolError, Role, TensorName, make_message
+from afd.types import Routing
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """One contributor's part of a (step, layer, micro-batch) union (``n`` may be 0)."""
+
+    header: Header
+    hidden: torch.Tensor  # [n, H]
+    routing: Routing | None  # ids [n, k] (-1: not for this rank), weights [n, k]
+    shared_rows: torch.Tensor | None  # [n] bool: rows whose shared experts this rank computes
+    received_at: float = 0.0  # time.perf_counter() when it arrived (straggler wait)
+
+
+def parse_work(msg: Message, receiver: str) -> WorkItem:
+    h = msg.header
+    hidden = msg.get(TensorName.HIDDEN)
+    if hidden.dim() != 2 or hidden.shape[0] != h.num_tokens:
+        raise ProtocolError(f"{receiver}: work from {h.source} declares {h.num_tokens} tokens, hidden is {list(hidden.shape)}")
+    routing = None
+    if Op.ROUTED in h.ops and Op.ROUTE not in h.ops:
+        ids, weights = msg.get(TensorName.EXPERT_IDS), msg.get(TensorName.WEIGHTS)
+        if ids.shape != weights.shape or ids.shape[0] != h.num_tokens:
+            raise ProtocolError(f"{receiver}: work from {h.source}: ids {list(ids.shape)} / weights {list(weights.shape)} for {h.num_tokens} tokens")
+        routing = Routing(ids.long(), weights)
+    shared = None
+    if Op.SHARED in h.ops:
+        shared = msg.get(TensorName.SHARED_ROWS)
+        if tuple(shared.shape) != (h.num_tokens,):
+            raise ProtocolError(f"{receiver}: work from {h.source}: shared rows {list(shared.shape)} for {h.num_tokens} tokens")
+        shared = shared.bool()
+    return WorkItem(h, hidden, routing, shared, time.perf_counter())
+
+
+def result_message(work: Header, ffn_rank: int, output: torch.Tensor) -> Message:
+    header = Header(Kind.RESULT, Role.FFN, ffn_rank, work.src_index, work.layer, work.microbatch, work.seq, output.shape[0], work.ops,
+                    (), epoch=work.epoch, members=work.members, ffn_members=work.ffn_members, placement=work.placement)
+    return make_message(header, {TensorName.OUTPUT: output})
+
+
+def error_message(ffn_rank: int, dst: int, text: str) -> Message:
+    data = torch.tensor(list(text.encode()[:4000]), dtype=torch.uint8)
+    return make_message(Header(Kind.ERROR, Role.FFN, ffn_rank, dst, num_tokens=len(data)), {TensorName.TEXT: data})

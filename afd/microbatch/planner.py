@@ -1,0 +1,231 @@
+"""Micro-batch planner: split one step's batch into m contiguous micro-batches of balanced cost.
+
+Pure Python. The cost of a token is what it costs to push it through one layer
+of the pipeline: attention grows with the token's context (it attends to every
+earlier token of its sequence), the FFN side is per token:
+
+    cost(token at position p) = attn_token + attn_context * (p + 1) + ffn_token
+
+Policies:
+
+* ``request``: cuts only between sequences of the batch;
+* ``token``: cuts anywhere, also inside a prompt; the later piece's attention
+  reads the earlier piece's KV through the paged cache (the earlier piece runs
+  first at every layer), so a split prompt computes the same values.
+
+The split minimises the most expensive micro-batch (the pipeline's stage
+time). When m pieces cannot be formed (one token, m > tokens or requests) the
+plan degrades to fewer pieces and says why in ``degraded`` -- never silently.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, replace
+from itertools import accumulate
+from typing import Sequence
+
+from afd.config import CostModel
+
+POLICIES = ("request", "token")
+MAX_MICROBATCHES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """``length`` tokens of batch sequence ``seq``, starting at absolute position ``start``."""
+
+    seq: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class MicrobatchPlan:
+    pieces: tuple[tuple[Span, ...], ...]
+    costs: tuple[float, ...]
+    requested: int
+    policy: str
+    degraded: str | None = None
+    estimates: tuple[tuple[int, float], ...] = ()  # (m, simulated step time) when m was chosen adaptively
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.pieces)
+
+    @property
+    def imbalance(self) -> float:
+        """max cost / mean cost (1.0 = perfectly balanced)."""
+        return max(self.costs) / (sum(self.costs) / len(self.costs))
+
+
+def plan_microbatches(
+    chunks: Sequence[tuple[int, int]],
+    num_microbatches: int,
+    policy: str = "token",
+    cost: CostModel = CostModel(),
+    min_tokens: int = 1,
+) -> MicrobatchPlan:
+    """chunks: per sequence of the step, (start position, number of new tokens), in batch order.
+
+    ``min_tokens``: fewest tokens worth a micro-batch of their own. A small step (a decode step of a
+    few sequences) is cut into fewer pieces: on a memory-bound FFN side every micro-batch re-reads the
+    expert weights, so splitting 8 decode tokens in two costs more than it overlaps.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"split policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if not 1 <= num_microbatches <= MAX_MICROBATCHES:
+        raise ValueError(f"num_microbatches must be in [1, {MAX_MICROBATCHES}], got {num_microbatches}")
+    if not chunks or any(n < 1 for _, n in chunks):
+        raise ValueError("a step needs at least one sequence chunk, each with >= 1 token")
+    if min_tokens < 1:
+        raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
+    m = num_microbatches
+    degraded = None
+    total = sum(n for _, n in chunks)
+    units = total if policy == "token" else len(chunks)  # indivisible pieces: tokens, or requests
+    if m > units:
+        what = "tokens" if policy == "token" else "requests"
+        degraded = f"{m} micro-batches requested, only {units} {what} in the step: running {units}"
+        m = units
+    if m > 1 and total < m * min_tokens:
+        fewer = max(1, total // min_tokens)
+        degraded = f"{m} micro-batches requested, {total} tokens < {m} x {min_tokens} (min tokens per micro-batch): running {fewer}"
+        m = fewer
+    if policy == "token":
+        groups = _split_tokens(chunks, m, cost)
+    else:
+        bounds = _cut([cost.span_cost(s, n) for s, n in chunks], m)
+        groups = [tuple(Span(i, *chunks[i]) for i in range(a, b)) for a, b in bounds]
+    costs = tuple(sum(cost.span_cost(sp.start, sp.length) for sp in g) for g in groups)
+    return MicrobatchPlan(tuple(groups), costs, num_microbatches, policy, degraded)
+
+
+def _cut(weights: Sequence[float], m: int) -> list[tuple[int, int]]:
+    """Contiguous min-max partition into exactly m groups: exact DP when small, bisection otherwise."""
+    return _partition(weights, m) if len(weights) <= 16 else _greedy_bounds(list(accumulate(weights, initial=0.0)), m)
+
+
+def _partition(weights: Sequence[float], m: int) -> list[tuple[int, int]]:
+    """Contiguous partition of ``weights`` into exactly m non-empty groups minimising the largest sum.
+
+    Exact O(n^2 m) dynamic programme over prefix sums, for small n (:func:`_cut`).
+    """
+    n = len(weights)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(m + 1)]
+    cut = [[0] * (n + 1) for _ in range(m + 1)]
+    best[0][0] = 0.0
+    for g in range(1, m + 1):
+        for end in range(g, n - (m - g) + 1):
+            for start in range(g - 1, end):
+                value = max(best[g - 1][start], prefix[end] - prefix[start])
+                if value < best[g][end]:
+                    best[g][end], cut[g][end] = value, start
+    bounds, end = [], n
+    for g in range(m, 0, -1):
+        start = cut[g][end]
+        bounds.append((start, end))
+        end = start
+    return bounds[::-1]
+
+
+def _split_tokens(chunks: Sequence[tuple[int, int]], m: int, cost: CostModel) -> list[tuple[Span, ...]]:
+    """Token policy: exact min-max cut over the flat token sequence."""
+    bounds = _cut([cost.token_cost(s + j) for s, n in chunks for j in range(n)], m)
+    starts = list(accumulate((n for _, n in chunks), initial=0))  # flat index of each chunk's first token
+    groups = []
+    for a, b in bounds:  # the chunks that [a, b) overlaps, as spans
+        spans = []
+        for i in range(bisect_right(starts, a) - 1, len(chunks)):
+            lo, hi = max(a, starts[i]), min(b, starts[i + 1])
+            if lo >= hi:
+                break
+            spans.append(Span(i, chunks[i][0] + lo - starts[i], hi - lo))
+        groups.append(tuple(spans))
+    return groups
+
+
+def _greedy_bounds(prefix: Sequence[float], m: int) -> list[tuple[int, int]]:
+    """Min-max contiguous cut of the weights whose prefix sums are ``prefix``: binary search on the
+    largest group sum, each probe a greedy fill by bisection (O(m log n)); then pad to exactly m groups."""
+    n = len(prefix) - 1
+    lo, hi = max(prefix[i + 1] - prefix[i] for i in range(n)), prefix[-1]
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if len(_fill(prefix, mid, m + 1)) <= m:
+            hi = mid
+        else:
+            lo = mid
+    bounds = _fill(prefix, hi, n)
+    while len(bounds) < m:  # split the largest group (cannot raise the maximum)
+        k = max(range(len(bounds)), key=lambda j: bounds[j][1] - bounds[j][0])
+        a, b = bounds[k]
+        mid = (a + b) // 2
+        bounds[k : k + 1] = [(a, mid), (mid, b)]
+    return bounds
+
+
+def _fill(prefix: Sequence[float], limit: float, most: int) -> list[tuple[int, int]]:
+    """Greedy groups of sum <= ``limit`` (at least one weight each); stops after ``most`` groups."""
+    n, bounds, start = len(prefix) - 1, [], 0
+    while start < n and len(bounds) < most:
+        end = max(start + 1, bisect_right(prefix, prefix[start] + limit, start + 1) - 1)
+        bounds.append((start, end))
+        start = end
+    if start < n:
+        bounds.append((start, n))  # more groups than asked: the caller only counts them
+    return bounds
+
+
+# ----------------------------------------------------------------------------- choosing m
+
+
+def simulate_step(plan: MicrobatchPlan, num_layers: int, cost: CostModel, credits: int | None = None) -> float:
+    """Estimated time of one step run by the ping-pong schedule: the attention rank executes the
+    schedule's steps in order; the FFN side serves dispatches first come, first served; a message
+    takes ``cost.transfer`` each way. (Pure; the schedule is the one the runtime executes.)"""
+    from afd.microbatch.schedule import Action, ping_pong
+
+    m = plan.num_microbatches
+    attn = [cost.attention_cost(piece) for piece in plan.pieces]
+    ffn = [cost.ffn_cost(sum(sp.length for sp in piece)) for piece in plan.pieces]
+    t_attn = t_ffn = 0.0
+    ready: dict[tuple[int, int], float] = {}
+    for step in ping_pong(m, num_layers, min(credits or m, m)):
+        if step.action is Action.ATTENTION:
+            t_attn += attn[step.microbatch]
+        elif step.action is Action.DISPATCH:
+            t_ffn = max(t_ffn, t_attn + cost.transfer) + ffn[step.microbatch]
+            ready[(step.microbatch, step.layer)] = t_ffn + cost.transfer
+        else:
+            t_attn = max(t_attn, ready.pop((step.microbatch, step.layer)))
+    return t_attn
+
+
+def choose_plan(
+    chunks: Sequence[tuple[int, int]],
+    max_microbatches: int,
+    num_layers: int,
+    policy: str = "token",
+    cost: CostModel = CostModel(),
+    credits: int | None = None,
+    min_gain: float = 0.03,
+) -> MicrobatchPlan:
+    """Adaptive m: plan the step for every m in 1..``max_microbatches``, simulate each with the cost
+    model, keep the fastest. More micro-batches must win by ``min_gain`` (relative) to be chosen: every
+    extra one pays its fixed costs for real, while the estimate's gain may be noise. The estimates are
+    kept in the plan (and the trace)."""
+    best, best_t, estimates = None, float("inf"), []
+    for m in range(1, max_microbatches + 1):
+        plan = plan_microbatches(chunks, m, policy, cost)
+        if plan.num_microbatches < m:
+            break  # no more pieces to be had (one token, or fewer requests than m)
+        t = simulate_step(plan, num_layers, cost, credits)
+        estimates.append((m, t))
+        if t < best_t * (1 - min_gain):
+            best, best_t = plan, t
+    return replace(best, requested=max_microbatches, estimates=tuple(estimates))

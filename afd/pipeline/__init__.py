@@ -1,6 +1,0 @@
-"""Micro-batch planner and ping-pong schedule (pure Python)."""
-
-from afd.pipeline.planner import CostModel, MicrobatchPlan, Span, choose_plan, plan_microbatches, simulate_step
-from afd.pipeline.schedule import Action, Step, ping_pong
-
-__all__ = ["Action", "CostModel", "MicrobatchPlan", "Span", "Step", "choose_plan", "ping_pong", "plan_microbatches", "simulate_step"]
