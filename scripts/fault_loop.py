@@ -40,7 +40,7 @@ def run_round(k: str | None, log: Path) -> tuple[dict[str, str], float]:
     took = time.monotonic() - t0
     outcomes = {}
     for line in res.stdout.splitlines():
-        m = re.match(r"^(PASSED|FAILED|ERROR) (\S+)", line)
+        m = re.match(r"^(PASSED|FAILED|ERROR) (.+?)(?: - .*)?$", line)
         if m:
             outcomes[m.group(2)] = m.group(1).lower()
     if res.returncode not in (0, 1) or not outcomes:

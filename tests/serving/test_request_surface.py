@@ -18,6 +18,8 @@ from afd.engine.tokenizer import Tokenizer
 from afd.serving.api_models import ChatCompletionRequest, CompletionRequest, _accepted
 from tests.serving.server_proc import MODEL_NAME, Server
 
+pytestmark = pytest.mark.procs
+
 DISAGG = ["--attention-ranks", "2", "--ffn-ranks", "1", "--transport", "shm", "--mode", "async", "--num-microbatches", "2", "--split", "token"]
 PROMPTS = ["KING.\nWhat say you, my lord?", "To be, or not to be, that is the question"]
 
@@ -230,14 +232,3 @@ def test_chat_template_options(mono, tok):
     custom = mono.post("/tokenize", json={"messages": msgs, "chat_template": "{{ greeting }}{% for m in messages %}{{ m.content }}|{% endfor %}",
                                           "chat_template_kwargs": {"greeting": "Hail! "}}).json()
     assert tok.decode(custom["tokens"]) == "Hail! Who art thou?|I am|"
-
-
-def test_the_user_guide_names_every_request_field():
-    from pathlib import Path
-
-    from afd.serving.api_models import ChatMessage, StreamOptions, TokenizeChatRequest
-
-    guide = (Path(__file__).parents[2] / "docs" / "user-guide.md").read_text()
-    names = {n for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, StreamOptions, TokenizeChatRequest) for n in m.model_fields}
-    missing = sorted(n for n in names if f"`{n}`" not in guide and f'"{n}"' not in guide)
-    assert not missing, f"docs/user-guide.md does not mention: {missing}"
