@@ -143,7 +143,7 @@ def decode_vote(data: bytes) -> tuple[Spans, int, int, tuple[tuple[int, int], ..
 class StepPlane:
     """One attention rank's side of the agreement: votes through the launcher's TCPStore."""
 
-    def __init__(self, rank: int, members: Sequence[int], host: str, port: int, timeout: float = 600.0, epoch: int = 0,
+    def __init__(self, rank: int, members: Sequence[int], host: str, port: int, timeout: float, epoch: int = 0,
                  incarnation: int = 0) -> None:
         """A member of epoch ``epoch``; or, with ``incarnation`` > 0 and no members, a restart that joins
         (:meth:`join`) before its first step."""

@@ -19,7 +19,6 @@ per FFN batch, FFN CPU seconds per generated token, the straggler wait, tokens/s
 from __future__ import annotations
 
 import argparse
-import os
 import json
 import statistics
 import sys
@@ -33,6 +32,7 @@ from afd import env
 from afd.cli.common import print_table
 from afd.config import EngineArgs, PipelineConfig, SamplingParams
 from afd.microbatch import CostModel
+from afd.runtime.forkserver import RunForkServer
 from afd.runtime.messages import GetTrace, SetTrace
 from afd.serving.offline import generate
 
@@ -67,7 +67,7 @@ def _workload(vocab: int, args) -> list[list[int]]:
     return [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(args.num_seqs)]
 
 
-def _cluster(model_dir: Path, args, pipeline: PipelineConfig | None = None, attention_ranks: int | None = None):
+def _cluster(model_dir: Path, args, forks, pipeline: PipelineConfig | None = None, attention_ranks: int | None = None):
     """The benchmark's cluster (not started; 1A1F on the given devices, or A unpinned attention ranks)
     and the workload's sampling parameters."""
     from afd.distributed.topology import Topology, parse_devices
@@ -82,12 +82,12 @@ def _cluster(model_dir: Path, args, pipeline: PipelineConfig | None = None, atte
     engine = EngineArgs(dtype="auto", kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len),
                         enable_prefix_caching=False)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    return Cluster(model_dir, topo, engine, pipeline=pipeline or PipelineConfig(), faults=env.fault_plan()), params
+    return Cluster(model_dir, topo, engine, pipeline=pipeline or PipelineConfig(), faults=env.fault_plan(), forks=forks), params
 
 
-def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict:
+def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts, forks) -> dict:
     times, busy, inflight, chosen, edges = [], [], [], {}, []
-    cluster, params = _cluster(model_dir, args, pipeline)
+    cluster, params = _cluster(model_dir, args, forks, pipeline)
     with cluster:
         t0 = time.perf_counter()
         generate(cluster, prompts, params, pipeline)  # warm-up
@@ -125,14 +125,14 @@ def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts) -> dict
     }
 
 
-def _run_aggregation(model_dir: Path, args, prompts) -> dict[str, dict]:
+def _run_aggregation(model_dir: Path, args, prompts, forks) -> dict[str, dict]:
     """One launch per attention-rank count, async, the same total load (or the same per rank)."""
     counts = [int(x) for x in args.attention_ranks.split(",")]
     pipeline = PipelineConfig("async", args.num_microbatches, args.split)
     out = {}
     for a in counts:
         work = prompts * a if args.per_rank_load else prompts
-        cluster, params = _cluster(model_dir, args, pipeline, attention_ranks=a)
+        cluster, params = _cluster(model_dir, args, forks, pipeline, attention_ranks=a)
         with cluster:
             t0 = time.perf_counter()
             generate(cluster, work, params, pipeline)  # warm-up
@@ -173,10 +173,10 @@ def _print_aggregation(results: dict[str, dict], args, label: str) -> None:
           f"{last['ffn_cpu_s_per_token'] / first['ffn_cpu_s_per_token']:.2f}x, {list(results)[-1]} vs {list(results)[0]}")
 
 
-def _run_interleaved(model_dir: Path, args, pipelines: dict[str, PipelineConfig], prompts) -> dict[str, dict]:
+def _run_interleaved(model_dir: Path, args, pipelines: dict[str, PipelineConfig], prompts, forks) -> dict[str, dict]:
     """Every split mode on one launch, one run of each per round after a warm-up of each: medians of step time."""
     times: dict[str, list[float]] = {name: [] for name in pipelines}
-    cluster, params = _cluster(model_dir, args)
+    cluster, params = _cluster(model_dir, args, forks)
     with cluster:
         for pipeline in pipelines.values():
             generate(cluster, prompts, params, pipeline)  # warm-up
@@ -246,8 +246,8 @@ def run(args: argparse.Namespace) -> int:
     from afd.models import load_model_config
     from afd.models.synthetic import deepseek_v2_lite_shaped, write_random_checkpoint
 
-    # one run id for every launch of the benchmark: they share one fork server (torch imported once)
-    os.environ.setdefault("AFD_RUN_ID", f"bench-{uuid.uuid4().hex[:8]}")
+    # every launch of the benchmark shares one fork server (torch imported once)
+    forks = RunForkServer(env.run_id() or f"bench-{uuid.uuid4().hex[:8]}")
     tmp = None
     if args.model:
         model_dir = Path(args.model)
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         prompts = _workload(load_model_config(model_dir).vocab_size, args)
         if args.attention_ranks:
-            results = _run_aggregation(model_dir, args, prompts)
+            results = _run_aggregation(model_dir, args, prompts, forks)
             _print_aggregation(results, args, label)
             if args.json_out:
                 Path(args.json_out).write_text(json.dumps({"model": label, "results": results, "args": vars(args) | {"func": None}},
@@ -276,11 +276,12 @@ def run(args: argparse.Namespace) -> int:
             f"async auto (m<={m})": PipelineConfig("async", m, split, cost=cost, adaptive=True),
         }
         if args.interleave:
-            results = _run_interleaved(model_dir, args, pipelines, prompts)
+            results = _run_interleaved(model_dir, args, pipelines, prompts, forks)
         else:
-            results = {name: _run_split(model_dir, args, pipeline, prompts) for name, pipeline in pipelines.items()}
+            results = {name: _run_split(model_dir, args, pipeline, prompts, forks) for name, pipeline in pipelines.items()}
         results["monolithic (2 threads)"] = _run_monolithic(model_dir, args, prompts)
     finally:
+        forks.stop()
         if tmp is not None:
             tmp.cleanup()
     header = ("mode", "run s", "attn busy", "bubble", "fill+drain", "ffn busy", "in flight", "GEMM rows", "items/batch")

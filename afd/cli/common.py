@@ -188,7 +188,7 @@ def topology_from_args(args: argparse.Namespace, num_experts: int):
         attention_nodes, ffn_nodes = default_nodes(args.nnodes, topology.num_attention_ranks, topology.num_ffn_ranks,
                                                    args.attention_nodes, args.ffn_nodes)
         topology = dataclasses.replace(topology, attention_nodes=attention_nodes, ffn_nodes=ffn_nodes)
-        if getattr(args, "device", "cpu") != "cpu":
+        if args.device != "cpu":
             raise ValueError("--device is for monolithic runs; a disaggregated run takes --attention-devices and --ffn-devices")
         validate_topology(topology, num_experts)
     return topology

@@ -1,4 +1,4 @@
-"""Connector endpoints: the attention side's paired ``dispatch``/``combine``, the FFN side's work loop I/O.
+"""The attention side of the connector: paired ``dispatch``/``combine``, and failover.
 
 ``dispatch`` ships one layer's FFN input to the FFN ranks that must see it and
 returns a :class:`DispatchHandle`; ``combine`` takes that handle, receives
@@ -16,19 +16,8 @@ own marked ``Op.RETRY``; results of the abandoned attempt (their header names th
 were sent to) are dropped. The sum is over one attempt's results, so it is what a fault-free run
 computes, up to the row grouping of the expert GEMMs.
 
-Bytes per token per MoE layer (wire dtype b bytes, hidden H, top-k k, F FFN ranks):
-
-* gate on attention: for each FFN rank r owning >= 1 of the token's experts,
-  dispatch ``H*b + 8k`` (hidden, int32 ids, fp32 weights) and combine ``H*b``;
-  so ``sum over tokens of n_t * (2*H*b + 8k)`` with n_t = ranks the token reaches;
-* gate on FFN: every token to every rank: ``F * 2*H*b``;
-* shared experts on the FFN side (replicated on every FFN rank, split by rows):
-  each token also goes to the rank of its row slice (``2*H*b + 8k`` when not
-  otherwise routed there), plus one byte per row sent;
-* dense layer on the FFN side: ``2*H*b`` per token, to the rank of its row slice.
-
-Plus one header per message (60 bytes + 3 per tensor + 4 per dimension), and
-one empty part per FFN rank that gets no row of a (step, layer, micro-batch).
+The bytes on the wire per token and layer, for every placement: docs/connectors.md (checked against this
+code's counters in tests/connectors/test_dispatch.py).
 """
 
 from __future__ import annotations
@@ -96,7 +85,7 @@ class AttentionEndpoint:
     and later work goes to them -- instead of failing the run. Without a surviving copy of every expert the
     error names the experts lost."""
 
-    def __init__(self, mailbox: Mailbox, topology: Topology, placement: ExpertPlacement, timeout: float = 60.0,
+    def __init__(self, mailbox: Mailbox, topology: Topology, placement: ExpertPlacement, timeout: float,
                  failover: bool | None = None, placement_version: int = 0, generations: dict[int, int] | None = None,
                  link_timeout: float | None = None) -> None:
         """``timeout``: the backstop of a combine's wait (liveness is the link timeout's, in the mailbox);
@@ -128,7 +117,11 @@ class AttentionEndpoint:
     def join(self, rank: int, generation: int) -> None:
         """Open the links to FFN rank ``rank``'s replacement (generation ``generation``) and say HELLO, without
         waiting: its answer is read between steps (:meth:`poll_links`) or in a combine, and ``on_link`` says
-        when it came. It is used from the first step whose agreed ``ffn_ready`` names it (:meth:`admit`)."""
+        when it came. It is used from the first step whose agreed ``ffn_ready`` names it (:meth:`admit`). A rank
+        that had not noticed the loss yet (idle since) drops the lost one first, as every other rank did: the
+        replacement must enter every sender's set at the same agreed step, or its unions would wait for parts."""
+        if rank in self.members.alive:
+            self._lose(PeerDiedError(f"{self.mailbox.name}: {self.mailbox.peer_name(rank)} was replaced", peer=rank))
         self.mailbox.reconnect(rank, generation, self.link_timeout)
         self.members.begin_join(rank, generation, self.link_timeout)
         self.mailbox.send(rank, make_message(Header(Kind.HELLO, Role.ATTENTION, self.rank, rank), {}))

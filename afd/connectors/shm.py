@@ -171,13 +171,13 @@ class ShmMailbox(Mailbox):
         self._data_w[p] = self._open_writer(f"{out}.data", p, deadline)
         self._space_w[p] = self._open_writer(f"{inc}.space", p, deadline)
 
-    def reconnect(self, peer: int, generation: int, timeout: float = 30.0) -> None:
+    def reconnect(self, peer: int, generation: int, timeout: float) -> None:
         """Drop the links to ``peer`` and open its generation-``generation`` links (a replacement rank)."""
         with self._send_lock:  # the heartbeat thread sends too
             self._gen[peer] = generation
             self._reconnect(peer, generation, timeout)
 
-    def readmit(self, peer: int, incarnation: int, timeout: float = 30.0) -> None:
+    def readmit(self, peer: int, incarnation: int, timeout: float) -> None:
         """An FFN rank: open the links of attention rank ``peer``'s restart ``incarnation``."""
         with self._send_lock:
             self._peer_incarnation[peer] = incarnation

@@ -120,7 +120,7 @@ class TcpMailbox(Mailbox):
         num_ffn: int,
         master_addr: str,
         master_port: int,
-        timeout: float = 60.0,
+        timeout: float,
         io_log: bool = False,
         device: str = "cpu",
         generation: int = 0,
@@ -195,12 +195,12 @@ class TcpMailbox(Mailbox):
         self._sock_peer[sock.fileno()] = peer
         self._rejoin(peer)  # a restarted attention rank (on the FFN side) is listened to again
 
-    def reconnect(self, peer: int, generation: int, timeout: float = 30.0) -> None:
+    def reconnect(self, peer: int, generation: int, timeout: float) -> None:
         """Drop the link to ``peer`` and connect to its generation-``generation`` replacement."""
         with self._send_lock:  # the heartbeat thread sends too
             self._connect(peer, generation)
 
-    def readmit(self, peer: int, incarnation: int, timeout: float = 30.0) -> None:
+    def readmit(self, peer: int, incarnation: int, timeout: float) -> None:
         """A restarted attention rank connects by itself (accepted as it comes, in :meth:`_recv`)."""
 
     # ------------------------------------------------------------------ send

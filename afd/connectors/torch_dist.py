@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import datetime
-import os
 import select
 import socket
 import struct
@@ -55,8 +54,9 @@ class TorchMailbox(Mailbox):
         num_ffn: int,
         master_addr: str,
         master_port: int,
+        *,
+        timeout: float,
         backend: str = "gloo",
-        timeout: float = 60.0,
         io_log: bool = False,
         device: str = "cpu",
     ) -> None:
@@ -71,8 +71,7 @@ class TorchMailbox(Mailbox):
             torch.get_device_module(self.device.type).set_device(self.device)
             # connect every communicator up front (new_group splits the world one), so that no first
             # send blocks the host while NCCL sets up; p2p on two-rank groups is serialized by design
-            options["device_id"] = self.device
-            os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "0")
+            options["device_id"] = self.device  # (the fork server's environment silences NCCL's warning that it serializes p2p)
         td = datetime.timedelta(seconds=timeout)
         self.store = dist.TCPStore(master_addr, master_port, num_attention + num_ffn, is_master=False, timeout=td)
         # on NCCL/HCCL the process group's timeout bounds every send and receive (the watchdog aborts the

@@ -202,11 +202,11 @@ class Mailbox(ABC):
         """Finish opening the links (the second half of starting, after the constructor's own): wait at most
         ``timeout`` s for the peers. A transport whose constructor linked everything does nothing here."""
 
-    def reconnect(self, peer: int, generation: int, timeout: float = 30.0) -> None:
+    def reconnect(self, peer: int, generation: int, timeout: float) -> None:
         """Open new links to a peer's replacement (generation ``generation``); the transport must support it."""
         raise NotImplementedError(f"{type(self).__name__}: links cannot be reopened (a replacement rank needs the shm or tcp transport)")
 
-    def readmit(self, peer: int, incarnation: int, timeout: float = 30.0) -> None:
+    def readmit(self, peer: int, incarnation: int, timeout: float) -> None:
         """An FFN rank: take back attention rank ``peer`` after its restart (``incarnation``), on new links."""
         raise NotImplementedError(f"{type(self).__name__}: links cannot be reopened (a restarted rank needs the shm or tcp transport)")
 

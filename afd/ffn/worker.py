@@ -45,7 +45,9 @@ SILENCE_CHECK_S = 0.25  # while busy, the attention ranks' silence is checked at
 
 class FFNWorker:
     def __init__(self, model: MoEModel, mailbox: Mailbox, num_attention_ranks: int, poll_interval: float = 1.0,
-                 placement: ExpertPlacement | None = None, placement_version: int = 0) -> None:
+                 placement: ExpertPlacement | None = None, placement_version: int = 0, relink_timeout: float = 30.0) -> None:
+        """``relink_timeout``: how long a restarted attention rank's links may take to open (a rank passes its
+        hang timeout; the restart opened its ends before it said it was loaded)."""
         self.model = model  # the newest placement version's experts
         self.placement = placement  # with redundant copies: the gate's slots this rank keeps depend on it
         self.placement_version = placement_version
@@ -60,6 +62,7 @@ class FFNWorker:
         self._first_model = model
         self.num_attention_ranks = num_attention_ranks
         self.poll_interval = poll_interval
+        self.relink_timeout = relink_timeout
         self.unions = Unions(mailbox.name, mailbox.index, model.config)
         self.items_served = 0  # non-empty parts computed
         self.tokens_served = 0
@@ -233,7 +236,7 @@ class FFNWorker:
                 self._open.discard(rank)
                 log.warning("%s: attention rank %d is not restarted; serving without it", self.mailbox.name, rank)
                 continue
-            self.mailbox.readmit(rank, incarnation)
+            self.mailbox.readmit(rank, incarnation, self.relink_timeout)
             log.warning("%s: linked to attention rank %d's restart (incarnation %d)", self.mailbox.name, rank, incarnation)
 
     def _readmit(self, rank: int, epoch: int) -> None:

@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -56,36 +59,63 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _ninja_on_path() -> None:
-    """torch's builder runs ``ninja`` from PATH; the one afd depends on lives beside the venv's python, which is
-    not on PATH when the venv is not activated (``.venv/bin/afd ...``). Added there, for this process only."""
+def _name() -> str:
+    """The library's name: a hash of the sources (their text and their place), the flags and the CPU."""
+    digest = hashlib.sha256()
+    for source in (*SOURCES, *HEADERS):
+        digest.update(source.read_bytes())
+    # the sources' directory too: torch's builder writes their absolute paths into the build, so two checkouts
+    # sharing one name would rebuild over each other's library (a 40-70 s stall on every switch)
+    digest.update(" ".join((*CFLAGS, platform.machine(), _cpu_flags(), str(SOURCES[0].parent.resolve()))).encode())
+    return f"afd_kernels_{digest.hexdigest()[:12]}"
+
+
+def build(name: str) -> None:
+    """Build the library with torch's extension builder (``python -m afd.kernels --build NAME`` runs it, in a
+    process of its own). torch runs ``ninja`` from PATH; the one afd depends on lives beside the venv's python,
+    which is not on PATH when the venv is not activated: the builder's process gets it on its PATH, and no
+    process that serves has its environment changed."""
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                       verbose=False)
+
+
+def _build_in_a_process(name: str) -> None:
+    path = os.environ.get("PATH", "")
     if shutil.which("ninja") is None:
         try:
             import ninja
+
+            path = os.pathsep.join((ninja.BIN_DIR, path))
         except ImportError:
-            return
-        os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
+            pass
+    res = subprocess.run([sys.executable, "-m", "afd.kernels", "--build", name], capture_output=True, text=True,
+                         env={**os.environ, "PATH": path})
+    if res.returncode != 0:
+        raise RuntimeError(res.stderr.strip() or res.stdout.strip() or f"the build exited {res.returncode}")
 
 
 @functools.cache
 def ops() -> ModuleType | None:
-    """The compiled kernels, or None where they are off (``AFD_KERNELS=0``) or could not be built."""
+    """The compiled kernels, or None where they are off (``AFD_KERNELS=0``) or could not be built. A built
+    library is loaded directly (no build tool runs); a missing one is built first, in a process of its own
+    (concurrent builders wait for one build: torch's lock in the build directory)."""
     if not env.kernels_enabled():
         return None
     try:
         from torch.utils import cpp_extension
 
-        _ninja_on_path()
-        digest = hashlib.sha256()
-        for source in (*SOURCES, *HEADERS):
-            digest.update(source.read_bytes())
-        # the sources' directory too: torch's builder writes their absolute paths into the build, so two checkouts
-        # sharing one name would rebuild over each other's library (a 40-70 s stall on every switch)
-        digest.update(" ".join((*CFLAGS, platform.machine(), _cpu_flags(), str(SOURCES[0].parent.resolve()))).encode())
-        name = f"afd_kernels_{digest.hexdigest()[:12]}"
-        log.debug("loading afd's CPU kernels (%s; built once per version and machine)", name)
-        return cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                                  extra_ldflags=["-fopenmp"], verbose=False)
+        name = _name()
+        directory = Path(cpp_extension._get_build_directory(name, verbose=False))
+        library = directory / f"{name}{cpp_extension.LIB_EXT}"
+        if not library.exists() or (directory / "lock").exists():  # not built, or being built now
+            log.debug("building afd's CPU kernels (%s; once per version and machine)", name)
+            _build_in_a_process(name)
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
     except Exception as exc:  # no compiler, no ninja, a compile error: the pure-torch paths still serve
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         errors = [line for line in lines if "error" in line.lower()]  # the compiler's first complaint, if it was one
@@ -95,7 +125,11 @@ def ops() -> ModuleType | None:
 
 
 def main() -> int:
-    """``python -m afd.kernels``: build (or find) the kernels now, and say which (``make setup`` runs it)."""
+    """``python -m afd.kernels``: build (or find) the kernels now, and say which (``make setup`` runs it).
+    ``--build NAME``: the builder's own process (:func:`build`)."""
+    if len(sys.argv) == 3 and sys.argv[1] == "--build":
+        build(sys.argv[2])
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     built = ops()
     print(f"afd kernels: {built.__name__} ({built.simd} register tiles) at {built.__file__}" if built is not None

@@ -109,6 +109,7 @@ class LocalClient(_Monolithic):
                 back.send(Failed(f"engine thread failed: {type(e).__name__}: {e}", traceback.format_exc()))
 
         self._thread = threading.Thread(target=run, name="afd-engine", daemon=True)
+        self._status = RunStatus(ranks=(RankInfo("monolithic", os.getpid(), "serving"),), disaggregated=False)
 
     def start(self) -> None:
         self._thread.start()
@@ -131,7 +132,7 @@ class LocalClient(_Monolithic):
         return out
 
     def status(self) -> RunStatus:
-        return RunStatus(ranks=(RankInfo("monolithic", os.getpid(), "serving"),), disaggregated=False)
+        return self._status
 
     def close(self, timeout: float) -> None:
         self._stopped = True
@@ -152,6 +153,7 @@ class EngineCoreClient(_Monolithic):
         self.core = core
         self.max_model_len = core.ready.max_model_len
         self._lock = threading.Lock()
+        self._status = RunStatus(ranks=(RankInfo("engine core", core.pid, "serving"),), disaggregated=False)
 
     def start(self) -> None:
         """The engine core serves for its whole life."""
@@ -167,7 +169,7 @@ class EngineCoreClient(_Monolithic):
             raise ReplicaFailed(str(e)) from None
 
     def status(self) -> RunStatus:
-        return RunStatus(ranks=(RankInfo("engine core", self.core.pid, "serving"),), disaggregated=False)
+        return self._status
 
     def close(self, timeout: float) -> None:
         self.core.close(timeout)

@@ -26,7 +26,7 @@ from afd.connectors.wire import Role
 from afd.distributed.topology import Topology
 from afd.engine.messages import Deltas, NeedWave, Rejected, StartWave, StatsReport, Stopped, UnhandledMessage
 from afd.runtime.forkserver import RunForkServer
-from afd.runtime.launcher import Launcher, NodeSpec, RankFailedError, RankHandle
+from afd.runtime.launcher import Launcher, NodeSpec, RankFailedError, RankHandle, build_launch_order
 from afd.runtime.messages import (AttentionSilent, Bye, Failed, FfnJoined, FfnJoinFailed, FfnLost, FfnStats, Joining, Loaded,
                                   PlacementInUse, PlacementReady, Ready, Reply, Request, Serve)
 from afd.runtime.multinode import FfnNode, RemoteFfnRanks
@@ -103,8 +103,6 @@ class Cluster:
         try:
             launcher.rendezvous()
             log.warning("%s", self.describe_redundancy())
-            from afd.runtime.launcher import build_launch_order
-
             for role, index in build_launch_order(launcher.topology, launcher.local_ranks()):
                 launcher.spawn(launcher.spec_for(role, index))
             deadline = time.monotonic() + launcher.timeouts.ready
@@ -213,9 +211,6 @@ class Cluster:
         rank = self.launcher.attention_ranks()[index]
         self._replies.setdefault(id(rank), []).append(future)
         rank.send(command)
-        if self._thread is None:  # before the owner runs: this thread waits for the reply itself
-            while not future.done():
-                self._round(SWEEP_S)
 
     def _serve_msg(self, index: int) -> Serve:
         pipeline, capture_dir = self._serving

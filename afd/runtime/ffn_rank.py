@@ -34,7 +34,7 @@ def ffn_main(spec: RankSpec, conn, hub) -> None:
     try:
         worker_type, extra = (SlowFFNWorker, {"delay": spec.faults.ffn_delay}) if spec.faults and spec.faults.ffn_delay else (FFNWorker, {})
         worker = worker_type(model, mailbox, spec.topology.num_attention_ranks, placement=spec.placement,
-                             placement_version=spec.placement_version, **extra)
+                             placement_version=spec.placement_version, relink_timeout=timeouts.hang, **extra)
         send = _locked(conn)  # the worker loop and the command thread both report
         threading.Thread(target=_commands, args=(spec, conn, send, worker), name=f"{spec.name} commands", daemon=True).start()
         worker.on_installed = lambda version: send(PlacementReady(version))

@@ -68,8 +68,10 @@ class RunForkServer(forkserver.ForkServer):
                             "from multiprocessing.forkserver import main; "
                             f"main({listener.fileno()}, {alive_r}, {self._preload_modules!r}, **{data!r})")
                     exe = spawn.get_executable()
+                    env = {"TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING": "0",  # p2p on two-rank groups: serial by design
+                           **os.environ, "AFD_RUN_ID": self.run_id}
                     self._proc = subprocess.Popen([exe, *util._args_from_interpreter_flags(), "-c", code], executable=exe,
-                                                  pass_fds=(listener.fileno(), alive_r), env={**os.environ, "AFD_RUN_ID": self.run_id})
+                                                  pass_fds=(listener.fileno(), alive_r), env=env)
                 except BaseException:
                     os.close(alive_w)
                     raise

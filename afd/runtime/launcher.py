@@ -167,6 +167,11 @@ class Launcher:
     def ffn_ranks(self) -> list[RankHandle]:
         return [r for r in self.ranks if r.spec.role == Role.FFN]
 
+    @property
+    def steps_store(self):
+        """The TCPStore the attention ranks' step agreement votes in (None: one attention rank, or not node 0)."""
+        return self._steps_store or (self.store if self.steps is not None else None)
+
     def describe_limits(self) -> str:
         """Each attention rank's limits, and the workspace of an FFN rank's union (at most A x the token cap)."""
         rows = self.topology.num_attention_ranks * self.limits.max_num_batched_tokens

@@ -161,8 +161,8 @@ class Supervisor:
         """A lost attention rank: restart it now, later (:meth:`_restart_waits`), or never (its restarts are used
         up: the FFN ranks stop waiting for it)."""
         if not self._can_restart(lost):
-            if self._restarts() and not self.launcher.closed:
-                log.warning("run %s: %s is not restarted again (%d restarts); the others serve without it", self.run_id,
+            if self.launcher.restarts_replicas and not self.launcher.closed:  # the FFN ranks wait for a restart unless told
+                log.warning("run %s: %s is not restarted (%d restarts so far); the others serve without it", self.run_id,
                             lost.spec.name, lost.spec.incarnation)
                 self.launcher.tell_ffn(AttentionGone(lost.spec.index))
             return
@@ -230,7 +230,7 @@ class Supervisor:
                 self._joined_everywhere(r)
         if self.rebalancer is not None:
             self.rebalancer.advance()  # a rebalance waits no longer for it
-        store = launcher._steps_store or launcher.store  # where the step agreement's votes live
+        store = launcher.steps_store  # where the step agreement's votes live
         if store is not None:
             store.set(DEAD_KEY, json.dumps(dead))
         if launcher.run_dir is not None:  # shm: a replacement still opening its links stops waiting for this rank's end

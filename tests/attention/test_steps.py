@@ -40,7 +40,7 @@ def vote_all(planes, votes, ready=None, placements=None):
 
 def test_members_agree_on_the_ffn_ranks_and_the_placement_every_vote_has():
     master = store()
-    planes = [StepPlane(r, range(3), "127.0.0.1", master.port) for r in range(3)]
+    planes = [StepPlane(r, range(3), "127.0.0.1", master.port, timeout=60) for r in range(3)]
     for p in planes:
         p.join_wave(0)
     plans = vote_all(planes, [((0, 4),), (), ((0, 2),)], ready=[0b11, 0b11, 0b01], placements=[1, 1, 0])
@@ -52,7 +52,7 @@ def test_members_agree_on_the_ffn_ranks_and_the_placement_every_vote_has():
 
 def test_a_member_marked_dead_leaves_in_a_new_epoch_and_the_others_go_on():
     master = store()
-    planes = [StepPlane(r, range(3), "127.0.0.1", master.port) for r in range(3)]
+    planes = [StepPlane(r, range(3), "127.0.0.1", master.port, timeout=60) for r in range(3)]
     for p in planes:
         p.join_wave(0)
     vote_all(planes, [((0, 3),), ((0, 3),), ((0, 3),)])
@@ -93,7 +93,7 @@ def _vote_on_threads(planes, votes, delays=None):
 
 def test_a_restart_is_voted_back_in_at_an_agreed_step_and_its_predecessors_dead_mark_does_not_drop_it():
     master = store()
-    planes = [StepPlane(r, range(3), "127.0.0.1", master.port) for r in range(3)]
+    planes = [StepPlane(r, range(3), "127.0.0.1", master.port, timeout=60) for r in range(3)]
     for p in planes:
         p.join_wave(0)
     vote_all(planes, [((0, 3),)] * 3)
@@ -102,7 +102,7 @@ def test_a_restart_is_voted_back_in_at_an_agreed_step_and_its_predecessors_dead_
     vote_all(survivors, [((3, 1),), ((3, 1),)])
     assert [p.members for p in survivors] == [(0, 1)] * 2 and survivors[0].epoch == 1
 
-    restart = StepPlane(2, (), "127.0.0.1", master.port, incarnation=1)
+    restart = StepPlane(2, (), "127.0.0.1", master.port, timeout=60, incarnation=1)
     joined = threading.Thread(target=restart.join, args=(20,))
     joined.start()
     survivors[0].admit(2, 1)  # the launcher's news reached one member only: nobody takes it in yet
@@ -131,7 +131,7 @@ def test_a_restart_is_voted_back_in_at_an_agreed_step_and_its_predecessors_dead_
 
 def test_a_joiner_that_dies_before_it_is_voted_in_is_dropped_and_a_waiting_wave_ends_at_the_join():
     master = store()
-    planes = [StepPlane(r, range(3), "127.0.0.1", master.port) for r in range(3)]
+    planes = [StepPlane(r, range(3), "127.0.0.1", master.port, timeout=60) for r in range(3)]
     for p in planes:
         p.join_wave(0)
     vote_all(planes, [((0, 3),)] * 3)
@@ -148,7 +148,7 @@ def test_a_joiner_that_dies_before_it_is_voted_in_is_dropped_and_a_waiting_wave_
     plans = vote_all(survivors, [(), ()])
     assert plans[0].joiners == () and not any(p.wants_wave for p in survivors)  # dropped, not asked for forever
 
-    restart = StepPlane(2, (), "127.0.0.1", master.port, incarnation=2)  # the second restart
+    restart = StepPlane(2, (), "127.0.0.1", master.port, timeout=60, incarnation=2)  # the second restart
     for p in survivors:
         p.admit(2, 2)
         assert p.join_wave(2)

@@ -5,6 +5,7 @@ computed exactly once and the combined output equals the monolithic FFN."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from afd.testing.parity import compare_values
 CASE = "ds-qlora-grouped-yarn"  # 8 routed experts, top-2, shared experts
 F = 3
 PLACEMENT = ExpertPlacement.contiguous(8, F, redundant=8)  # every expert on two of the three ranks
+PLACEMENT_2 = ExpertPlacement.contiguous(8, 2, redundant=8)  # every expert on both of two ranks
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +166,52 @@ def test_a_restarted_attention_rank_counts_in_unions_only_from_the_epoch_it_rejo
         assert worker.unions.excused(1) == 0b100 and worker.unions.excused(2) == 0
     finally:
         hub.close()
+
+
+def test_a_replacement_is_linked_without_waiting_and_enters_at_the_agreed_step(ffn_models, tmp_path):
+    """An attention rank that never noticed FFN rank 1's loss (idle since) gets its replacement's FfnJoin: it
+    drops the lost rank first (so the replacement enters every sender's set at the same agreed step), opens
+    the new links and says HELLO, and returns at once, before the replacement has even opened its writers;
+    the HELLO is read between steps, and the rank is used only once a step's agreement names it."""
+    from afd.connectors.shm import ShmMailbox, create_links
+
+    create_links(tmp_path, 1, 2, num_slots=4, slot_bytes=64 << 10)
+    create_links(tmp_path, 1, 2, num_slots=4, slot_bytes=64 << 10, ffn_ranks=[1], generation=1)
+    topology = Topology(parse_devices("cpu"), parse_devices("cpu,cpu"), transport="shm", placement=PLACEMENT_2, redundant_experts=8)
+    boxes = {}
+
+    def ffn(rank: int, generation: int) -> None:
+        box = ShmMailbox(tmp_path, Role.FFN, rank, 1, 4, 64 << 10, generations={0: generation} if generation else None)
+        box.connect(30)
+        boxes[(rank, generation)] = box
+
+    old = [threading.Thread(target=ffn, args=(r, 0)) for r in range(2)]
+    for t in old:
+        t.start()
+    attn = ShmMailbox(tmp_path, Role.ATTENTION, 0, 2, 4, 64 << 10)
+    attn.connect(30)
+    for t in old:
+        t.join()
+    endpoint = AttentionEndpoint(attn, topology, PLACEMENT_2, timeout=10, failover=True, link_timeout=5)
+    linked = []
+    endpoint.on_link = lambda rank, generation, error: linked.append((rank, generation, error))
+    boxes[(1, 0)].close()  # FFN rank 1 dies while this attention rank is idle: it notices nothing
+    replacement = ShmMailbox(tmp_path, Role.FFN, 1, 1, 4, 64 << 10, generations={0: 1})  # its readers: "loaded"
+    endpoint.join(1, 1)  # returns without waiting for the replacement
+    assert endpoint.members.alive == [0] and len(endpoint.losses) == 1 and linked == []
+    replacement.connect(30)
+    worker = FFNWorker(ffn_models[1], replacement, 1, poll_interval=0.05, placement=PLACEMENT_2)
+    serving = threading.Thread(target=worker.serve, daemon=True)
+    serving.start()  # answers the HELLO
+    deadline = time.monotonic() + 10
+    while not linked and time.monotonic() < deadline:
+        endpoint.poll_links()  # between steps
+        time.sleep(0.01)
+    assert linked == [(1, 1, None)] and endpoint.ready_mask == 0b11
+    assert endpoint.members.alive == [0], "used before a step's agreement names it"
+    endpoint.admit(endpoint.ready_mask)  # the agreed step
+    assert endpoint.members.alive == [0, 1]
+    endpoint.shutdown()
+    serving.join(10)
+    for box in (attn, boxes[(0, 0)], replacement):
+        box.close()

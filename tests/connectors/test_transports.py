@@ -252,7 +252,7 @@ def test_tcp_is_byte_exact_reports_a_death_and_reconnects_to_a_replacement():
     assert died.value.peer == 0
     th = threading.Thread(target=open_ffn, args=(1,))
     th.start()
-    attn.reconnect(0, 1)
+    attn.reconnect(0, 1, 30)
     attn.send(0, _msg(9, rows=3))
     th.join()
     got = boxes[1].recv(10)  # the replacement accepts as it receives
