@@ -36,7 +36,14 @@ def run_round(k: str | None, log: Path) -> tuple[dict[str, str], float]:
     if k:
         cmd += ["-k", k]
     t0 = time.monotonic()
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate()
+        except BaseException:  # this loop stopped (Ctrl-C, SIGTERM): pytest tears its runs down, then exits
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=120)
+            raise
+    res = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     took = time.monotonic() - t0
     outcomes = {}
     for line in res.stdout.splitlines():
@@ -57,6 +64,7 @@ def main() -> int:
     ap.add_argument("--logs", help="where failed rounds' output goes (default: a temp dir)")
     ap.add_argument("-k", help="only the fault tests pytest -k selects")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: the round's pytest and the spinners go too
     logs = Path(args.logs or tempfile.mkdtemp(prefix="afd-fault-loop-"))
     logs.mkdir(parents=True, exist_ok=True)
     spinners = busy_loops(os.cpu_count() or 1) if args.busy else []

@@ -72,6 +72,7 @@ class Mailbox(ABC):
         self._send_lock = threading.Lock()  # the heartbeat thread sends too
         self._last_sent: dict[int, float] = {}
         self._last_seen: dict[int, float] = {}  # watched peer -> monotonic time of its last message
+        self._greeted: set[int] = set()  # peers this end said HELLO to: they watch it from then, so it beats to them
         self._silent_ok: set[int] = set()  # peers that said SHUTDOWN
         self._heartbeat: threading.Thread | None = None
         self._stop = threading.Event()
@@ -83,7 +84,9 @@ class Mailbox(ABC):
         """Send a HEARTBEAT on every link in service that carried nothing for ``interval`` s, and treat a peer
         in service that is silent for ``link_timeout`` s as hung. A link is in service from the peer's HELLO
         (:meth:`watch`): before that the peer is still starting (linking to other ranks, loading), and the
-        start-up timeout is what bounds it, not the hang timeout. ``interval`` 0 disables heartbeats (silence
+        start-up timeout is what bounds it, not the hang timeout. Beats go to a peer from this end's own HELLO
+        to it (the peer watches from then), whether or not its answer has been read: a rank that said HELLO to
+        a replacement and then waits on something else must not look hung to it. ``interval`` 0 disables heartbeats (silence
         is still detected). ``only_to(peer)``: beat to a peer only while it is true. An FFN rank beats only
         to the attention ranks it owes results: those wait on their links and read them, while an idle
         attention rank reads nothing, and beats to it would fill its receive ring and block the sender."""
@@ -102,7 +105,7 @@ class Mailbox(ABC):
     def _beat(self, interval: float, only_to) -> None:
         while not self._stop.wait(interval / 2):
             now = time.monotonic()
-            for peer in list(self._last_seen):
+            for peer in sorted(self._last_seen.keys() | self._greeted):
                 if peer in self._silent_ok or now - self._last_sent.get(peer, 0.0) < interval:
                     continue
                 if (only_to is not None and not only_to(peer)) or not self._has_room(peer):
@@ -141,6 +144,8 @@ class Mailbox(ABC):
         with self._send_lock:
             self._send(peer, header_bytes, payload)
             self._last_sent[peer] = time.monotonic()
+            if header.kind == Kind.HELLO:
+                self._greeted.add(peer)
         n_payload = sum(p.numel() for p in payload)
         self.stats.messages_sent += 1
         self.stats.bytes_sent += len(header_bytes) + n_payload
@@ -215,6 +220,7 @@ class Mailbox(ABC):
         self._silent_ok.discard(peer)
         self._last_seen.pop(peer, None)
         self._last_sent.pop(peer, None)
+        self._greeted.discard(peer)
 
     def forget(self, peer: int) -> None:
         """Stop listening to a peer that said SHUTDOWN: its link closing later is not a death."""

@@ -29,6 +29,8 @@ from afd.runtime.spec import RankSpec, failover_enabled, load
 
 log = logging.getLogger(__name__)
 
+IDLE_POLL_S = 0.5  # how often a rank that waits for its launcher's next command reads its links
+
 
 def attention_main(spec: RankSpec, conn, hub) -> None:
     model, ready = load(spec)
@@ -87,6 +89,8 @@ class _AttentionRank:
 
     def serve_commands(self) -> None:
         while True:
+            while not self.conn.poll(IDLE_POLL_S):  # between commands the links are read too (a replacement's HELLO)
+                self.runner.maintain()
             msg = self.conn.recv()
             match msg:
                 case Serve(pipeline, capture):  # requests until StopServing (afd/engine/serve_loop.py)

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 SWEEP_S = 0.5  # the owner's longest wait (it also wakes for every message and every post)
 GATHER_S = 0.3  # after a failure, how long the owner gathers the peers' reports (the root cause is named first)
+START_PROGRESS_S = 30.0  # a start that takes longer says, this often, which ranks it still waits for
 
 
 class Cluster:
@@ -105,11 +106,17 @@ class Cluster:
             log.warning("%s", self.describe_redundancy())
             for role, index in build_launch_order(launcher.topology, launcher.local_ranks()):
                 launcher.spawn(launcher.spec_for(role, index))
-            deadline = time.monotonic() + launcher.timeouts.ready
+            started = time.monotonic()
+            deadline, told = started + launcher.timeouts.ready, started
             while any(r.ready is None for r in launcher.ranks):
+                slow = [r.spec.name for r in launcher.ranks if r.ready is None]
                 if time.monotonic() > deadline:
-                    slow = [r.spec.name for r in launcher.ranks if r.ready is None]
                     self._fail(f"timed out after {launcher.timeouts.ready:.0f} s waiting for READY ({', '.join(slow)})")
+                if time.monotonic() - told > START_PROGRESS_S:  # a long start says what it waits for
+                    told = time.monotonic()
+                    log.warning("run %s: still waiting for READY after %.0f s of %.0f s: %s%s", launcher.run_id, told - started,
+                                launcher.timeouts.ready, ", ".join(slow),
+                                " (their links wait for every node's ranks: is every node started?)" if launcher.node.nnodes > 1 else "")
                 self._round(min(SWEEP_S, deadline - time.monotonic()))
             if launcher.node.node_rank > 0:
                 self.supervisor.ffn_node = FfnNode(launcher)

@@ -310,10 +310,14 @@ class Launcher:
         self.store = self._steps_store = None
 
     def tell_ffn(self, msg: object) -> None:
-        """Send every FFN rank this launcher runs, and that still serves, one command."""
+        """Send every FFN rank this launcher runs, and that still serves, one command (a rank that died meanwhile
+        is skipped: the sweep reports its exit)."""
         for f in self.ffn_ranks():
             if not f.lost and not f.done and f.proc.is_alive():
-                f.send(msg)
+                try:
+                    f.send(msg)
+                except OSError:
+                    pass
 
     def _read_last_words(self) -> None:
         """Collect what ranks said on their way out (the exit counters in Bye)."""

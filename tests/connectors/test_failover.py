@@ -215,3 +215,46 @@ def test_a_replacement_is_linked_without_waiting_and_enters_at_the_agreed_step(f
     serving.join(10)
     for box in (attn, boxes[(0, 0)], replacement):
         box.close()
+
+
+def test_an_attention_rank_that_said_hello_and_reads_nothing_is_not_hung_to_the_replacement(ffn_models, tmp_path):
+    """The replacement watches an attention rank for silence from that rank's HELLO, so the rank beats to it
+    from then, not from reading the answer: an attention rank that says HELLO and then waits on something
+    else (its launcher's next command) for three link timeouts is still alive to the replacement (it once
+    was reported hung and killed, one fault-test round in twenty)."""
+    from afd.connectors.shm import ShmMailbox, create_links
+
+    create_links(tmp_path, 1, 2, num_slots=4, slot_bytes=64 << 10)
+    create_links(tmp_path, 1, 2, num_slots=4, slot_bytes=64 << 10, ffn_ranks=[1], generation=1)
+    topology = Topology(parse_devices("cpu"), parse_devices("cpu,cpu"), transport="shm", placement=PLACEMENT_2, redundant_experts=8)
+    first = [ShmMailbox(tmp_path, Role.FFN, r, 1, 4, 64 << 10) for r in range(2)]
+    opening = [threading.Thread(target=box.connect, args=(30,)) for box in first]
+    for t in opening:
+        t.start()
+    attn = ShmMailbox(tmp_path, Role.ATTENTION, 0, 2, 4, 64 << 10)
+    attn.connect(30)
+    for t in opening:
+        t.join()
+    link_timeout = 0.5
+    attn.start_heartbeats(0.1, link_timeout)
+    endpoint = AttentionEndpoint(attn, topology, PLACEMENT_2, timeout=10, failover=True, link_timeout=5)
+    first[1].close()
+    replacement = ShmMailbox(tmp_path, Role.FFN, 1, 1, 4, 64 << 10, generations={0: 1})
+    endpoint.join(1, 1)
+    replacement.connect(30)
+    replacement.start_heartbeats(0.1, link_timeout)
+    worker = FFNWorker(ffn_models[1], replacement, 1, poll_interval=0.05, placement=PLACEMENT_2)
+    silent = []
+    worker.on_attention_silent = lambda rank, reason: silent.append(reason)
+    serving = threading.Thread(target=worker.serve, daemon=True)
+    serving.start()  # reads the HELLO (from then it watches attention rank 0) and answers it
+    time.sleep(3 * link_timeout)  # this attention rank reads nothing meanwhile
+    assert silent == [], silent
+    assert replacement.stats.heartbeats_received >= 5
+    endpoint.poll_links()
+    assert endpoint.ready_mask == 0b11  # the answer was waiting to be read
+    endpoint.shutdown()
+    serving.join(10)
+    assert not serving.is_alive() and silent == []
+    for box in (attn, first[0], replacement):
+        box.close()

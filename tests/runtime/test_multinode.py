@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -118,7 +119,10 @@ class Star:
     def __init__(self, n: int) -> None:
         tag = uuid.uuid4().hex[:6]
         self.ns = [f"afd{tag}n{k + 1}" for k in range(n)]
-        nets = random.sample(range(1, 250), n)
+        # subnets no interface here has: a namespace left by a killed run keeps its pair, and a second route to
+        # the same /24 sent node 0's packets to it (a start that waited 300 s, one fault-test round in thirteen)
+        taken = set(re.findall(r"inet 10\.79\.(\d+)\.", subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout))
+        nets = random.SystemRandom().sample([k for k in range(1, 250) if str(k) not in taken], n)
         self.links = [(f"vh{tag}{k + 1}", f"vn{tag}{k + 1}", f"10.79.{net}.1", f"10.79.{net}.2") for k, net in enumerate(nets)]
         self.made: list[str] = []
 
@@ -133,6 +137,8 @@ class Star:
                             ["ip", "-n", ns, "addr", "add", f"{addr_there}/24", "dev", there],
                             ["ip", "-n", ns, "link", "set", "lo", "up"], ["ip", "-n", ns, "link", "set", there, "up"]):
                     subprocess.run(cmd, check=True, capture_output=True)
+                route = subprocess.run(["ip", "-o", "route", "get", addr_there], check=True, capture_output=True, text=True).stdout
+                assert f" dev {here} " in route, f"{addr_there} is not reached through {here}: {route}"
         except BaseException:
             self.__exit__()
             raise
@@ -180,7 +186,7 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.faults
-def test_three_nodes_serve_the_monolithic_text_and_survive_an_ffn_nodes_loss():
+def test_three_nodes_serve_the_monolithic_text_and_survive_an_ffn_nodes_loss(tmp_path):
     """Node 2 starts late, after node 0's attention rank linked to node 1's FFN rank and waits for node 2's:
     a link not yet in service is not watched for silence (the hang timeout is 2 s here), so the start is not
     a failure (it once was, one CI run in a few)."""
@@ -195,10 +201,16 @@ def test_three_nodes_serve_the_monolithic_text_and_survive_an_ffn_nodes_loss():
              "--nnodes", "3", "--master-port", port]
     env = {**os.environ, "AFD_NUM_THREADS": "1", "AFD_RUN_ID": run_id}
 
-    def start(k: int) -> subprocess.Popen:
-        return subprocess.Popen(hosts.wrap(k, [sys.executable, "-m", "afd.cli.main", "serve", str(BUILTIN_MODEL), "--dtype", "float32",
-                                               *flags, "--node-rank", str(k), "--master-addr", hosts.master_addr(k)]),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    def start(k: int) -> subprocess.Popen:  # its output in files (a pipe no one reads could block it), shown on failure
+        out, err = (open(tmp_path / f"node-{k}.{name}", "w") for name in ("out", "err"))
+        with out, err:
+            return subprocess.Popen(hosts.wrap(k, [sys.executable, "-m", "afd.cli.main", "serve", str(BUILTIN_MODEL), "--dtype", "float32",
+                                                   *flags, "--node-rank", str(k), "--master-addr", hosts.master_addr(k)]),
+                                    stdout=out, stderr=err, text=True, env=env)
+
+    def said(k: int, name: str) -> str:
+        path = tmp_path / f"node-{k}.{name}"
+        return path.read_text() if path.exists() else "(not started)"
 
     nodes = {1: start(1)}
     late = threading.Timer(6.0, lambda: nodes.__setitem__(2, start(2)))  # once node 0 waits on it, past the hang timeout
@@ -232,8 +244,12 @@ def test_three_nodes_serve_the_monolithic_text_and_survive_an_ffn_nodes_loss():
             assert s.metric("afd_ffn_ranks_lost_total") == 2
             assert s.streams([_payload(i) for i in range(6)]) == want  # and it goes on serving on node 1 alone
             assert nodes[1].poll() is None
-        out, err = nodes[1].communicate(timeout=60)  # SIGTERM on node 0 ends the run on node 1
-        assert nodes[1].returncode == 0 and "the run ended" in out, err[-3000:]
+        nodes[1].wait(timeout=60)  # SIGTERM on node 0 ends the run on node 1
+        assert nodes[1].returncode == 0 and "the run ended" in said(1, "out"), said(1, "err")[-3000:]
+    except BaseException:
+        for k in (1, 2):
+            print(f"--- node {k} (exit {nodes[k].poll() if k in nodes else None}) stderr:\n{said(k, 'err')[-6000:]}", file=sys.stderr)
+        raise
     finally:
         late.cancel()
         late.join()

@@ -236,9 +236,11 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_leaves_nothing():
 
 
 def _refuses(url: str) -> bool:
+    """Whether the server takes no new request: the connection is refused, or (one that reached the listening
+    socket's backlog just before the server closed it) reset unanswered."""
     try:
         httpx.post(url + "/v1/completions", json=body(), timeout=5)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
         return True
     return False
 
