@@ -78,4 +78,10 @@ def checkpoints(tmp_path_factory):
     for seed, (name, overrides) in enumerate(support.GLM_CASES.items(), start=30):
         hf = support.build_hf_model(support.glm4_moe_config(**overrides), seed=seed)
         out[name] = (support.save_checkpoint(hf, root / name), hf)
+    for seed, (name, overrides) in enumerate(support.MINIMAX_CASES.items(), start=40):
+        hf = support.build_hf_model(support.minimax_m2_config(**overrides), seed=seed)
+        out[name] = (support.save_checkpoint(hf, root / name), hf)
+    for seed, (name, overrides) in enumerate(support.GPT_OSS_CASES.items(), start=50):
+        hf = support.build_hf_model(support.gpt_oss_config(**overrides), seed=seed)
+        out[name] = (support.save_checkpoint(hf, root / name), hf)
     return out

@@ -80,6 +80,18 @@ QWEN_CASES = {
 }
 
 
+MINIMAX_CASES = {
+    # q/k norm over the whole projection, rotary on the first 8 of 16 channels, sigmoid + bias over 8 experts
+    "minimax-m2-rotary8": dict(rotary_dim=8),
+}
+
+GPT_OSS_CASES = {
+    # the default alternation (even layers sliding), a window of 6 across block boundaries (block size 4)
+    "gptoss-window6": dict(sliding_window=6),
+    # a window of 3 on the middle layers only; YaRN with truncate false (gpt-oss's default rope)
+    "gptoss-window3": dict(sliding_window=3, layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"]),
+}
+
 #: what every tiny test model shares (decisive init: see the module docstring)
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
             max_position_embeddings=256, initializer_range=0.15, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
@@ -114,6 +126,20 @@ def glm4_moe_config(**overrides):
                             "n_routed_experts": 8, "n_shared_experts": 1, "norm_topk_prob": True, **overrides})
 
 
+def minimax_m2_config(**overrides):
+    from transformers import MiniMaxM2Config
+
+    return MiniMaxM2Config(**{**TINY, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8,
+                              "intermediate_size": 32, **overrides})
+
+
+def gpt_oss_config(**overrides):
+    from transformers import GptOssConfig
+
+    return GptOssConfig(**{**TINY, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8,
+                           "intermediate_size": 32, **overrides})
+
+
 def build_hf_model(config, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
@@ -126,6 +152,12 @@ def build_hf_model(config, seed: int = 0):
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):  # transformers initialises it to zero: make it change selections
             b.copy_((torch.rand(b.shape, generator=gen) - 0.5) * 0.6)
+    with torch.no_grad():  # gpt-oss: sinks and biases decisive too (transformers starts some at zero)
+        for name, p in model.named_parameters():
+            if name.endswith("self_attn.sinks"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 1.5)
+            elif name.endswith(("mlp.router.bias", "experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     return model
 
 
@@ -197,7 +229,7 @@ def hf_reference(hf_model, ids: list[int]):
     hooks = []
     for i, layer in enumerate(hf_model.model.layers):
         hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: layer_out.__setitem__(i, o[0] if isinstance(o, tuple) else o)))
-        gate = getattr(layer.mlp, "gate", None)
+        gate = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)  # gpt-oss: "router"
         if gate is not None:
             hooks.append(gate.register_forward_hook(lambda m, a, o, i=i: router.__setitem__(i, (o[0], o[2]))))
     try:
@@ -210,7 +242,10 @@ def hf_reference(hf_model, ids: list[int]):
 
 def selection_scores(router_logits: torch.Tensor, config, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Reference scores the top-k is taken over: softmax, then the group mask for group-limited top-k;
-    for V3/GLM (``bias`` given: the gate's e_score_correction_bias) sigmoid + bias, groups by their top two."""
+    for V3/GLM (``bias`` given: the gate's e_score_correction_bias) sigmoid + bias, groups by their top two;
+    MiniMax-M2 sigmoid + bias over every expert."""
+    if bias is not None and config.model_type == "minimax_m2":
+        return router_logits.float().sigmoid() + bias
     if bias is not None:
         scores = router_logits.float().sigmoid() + bias
         groups = scores.view(scores.shape[0], config.n_group, -1)
@@ -407,3 +442,44 @@ class Command:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def encode_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An MXFP4 encoder written here (transformers can only decode): w [..., R, C] -> (blocks [..., R, C/32, 16]
+    uint8, scales [..., R, C/32] uint8, the values they decode to [..., R, C] float32). Per group of 32 along a
+    row: the e8m0 exponent e = floor(log2(max |w|)) - 2 (e2m1's largest exponent), each value rounded to the
+    nearest e2m1 number of w / 2^e (clipped at 6); the even value in the low nibble."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    groups = w.float().reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
+    amax = groups.abs().amax(-1).clamp(min=2.0**-100)
+    exp = torch.floor(torch.log2(amax)) - 2
+    scaled = (groups / torch.exp2(exp)[..., None]).clamp(-6, 6)
+    magnitude = (scaled.abs()[..., None] - grid).abs().argmin(-1)  # nearest e2m1 magnitude
+    nibble = magnitude + 8 * (scaled < 0)
+    decoded = torch.where(scaled < 0, -grid[magnitude], grid[magnitude]) * torch.exp2(exp)[..., None]
+    blocks = (nibble[..., 0::2] | (nibble[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exp + 127).to(torch.uint8), decoded.reshape(w.shape)
+
+
+def write_mxfp4_checkpoint(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """gpt-oss's checkpoint at ``src`` rewritten as its release stores it: every layer's expert weights as
+    MXFP4 ``*_blocks`` / ``*_scales`` (rows = the weight's output dim), ``quantization_config.quant_method:
+    mxfp4``. Returns the blocks and scales written, by name."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    written = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = tensors.pop(name).transpose(1, 2).contiguous()  # gate_up [E, H, 2I] -> [E, 2I, H]; down [E, I, H] -> [E, H, I]
+        blocks, scales, _ = encode_mxfp4(rows)
+        written[f"{name}_blocks"], written[f"{name}_scales"] = blocks, scales
+    tensors.update(written)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((dst / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                                      "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(raw))
+    return written

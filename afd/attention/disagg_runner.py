@@ -186,7 +186,7 @@ class DisaggregatedRunner:
                 first = offsets[span.seq] + span.start - c.start
                 rows.append(ids[first : first + span.length])
                 mb_chunks.append(SeqChunk(c.block_table, span.start, span.length))
-            meta = build_attention_metadata(mb_chunks, self.cache_config.block_size, self.device)
+            meta = build_attention_metadata(mb_chunks, self.cache_config.block_size, self.device, windows=self.model.config.windows)
             mbs.append(_Microbatch(k, torch.cat(rows), meta))
         mbs += [_Microbatch(k, None, None) for k in range(len(mbs), step.num_microbatches)]
         return mbs

@@ -103,6 +103,11 @@ class MoEConfig:
     router_fp32: bool = False  # DeepSeek and GLM keep the gate weight and logits in fp32
     scoring: str = "softmax"
     scale_after_norm: bool = False
+    router_bias: bool = False  # gpt-oss: the gate's logits have a bias (``mlp.router.bias``)
+    expert_bias: bool = False  # gpt-oss: every expert's gate_up and down projections have biases
+    #: gpt-oss's clamped SwiGLU: (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l); None: silu(gate) * up
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         _positive("num_experts", self.num_experts)
@@ -121,6 +126,8 @@ class MoEConfig:
             if self.topk_groups * (self.num_experts // self.num_groups) < self.top_k:
                 raise ValueError(f"topk_group={self.topk_groups} groups of {self.num_experts // self.num_groups} experts "
                                  f"hold fewer than num_experts_per_tok={self.top_k}")
+        if self.swiglu_limit is not None:
+            _positive("swiglu_limit", self.swiglu_limit)
         if self.topk_method == "noaux_tc" and self.num_experts // self.num_groups < 2:
             raise ValueError("noaux_tc scores a group by its top two experts: every group needs at least 2")
 
@@ -156,8 +163,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
-    qk_norm: bool = False  # GQA: per-head RMSNorm of q and k before RoPE (Qwen3, GLM with use_qk_norm)
+    qk_norm: bool = False  # GQA: RMSNorm of q and k before RoPE (Qwen3, GLM with use_qk_norm, MiniMax-M2)
+    #: what one q/k norm spans: "head" (Qwen3, GLM: per head, weight [d]) or "all" (MiniMax-M2: the whole
+    #: projection, weight [heads * d])
+    qk_norm_span: str = "head"
     num_mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint (skipped at load)
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head joins every softmax (no value)
+    sliding_window: int | None = None  # W: a sliding layer's query at i sees keys i-W+1..i
+    sliding_layers: tuple[int, ...] = ()  # the layers that attend over the window only
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"):
@@ -169,6 +182,23 @@ class ModelConfig:
         bad = [i for i in self.moe.layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"MoE layer indices {bad} outside [0, {self.num_layers})")
+        if self.qk_norm_span not in ("head", "all"):
+            raise ValueError(f"qk_norm_span must be 'head' or 'all', got {self.qk_norm_span!r}")
+        if self.sliding_layers:
+            if not self.sliding_window or self.sliding_window < 1:
+                raise ValueError(f"sliding layers {list(self.sliding_layers)} need a sliding_window >= 1, got {self.sliding_window}")
+            bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"sliding layer indices {bad} outside [0, {self.num_layers})")
+
+    def window(self, layer: int) -> int:
+        """The attention window of ``layer`` in tokens, the query included; 0: the whole context."""
+        return self.sliding_window if layer in self.sliding_layers else 0
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The distinct windows of the sliding layers (what a step's metadata pages apart)."""
+        return (self.sliding_window,) if self.sliding_layers else ()
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe.layers

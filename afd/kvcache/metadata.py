@@ -51,6 +51,9 @@ class DecodePages:
     block_tables [D, W] int64  each decode token's KV blocks (0 past its table), for kernels that read the
                            cache in place (afd/kernels)
     context_lens [D] int64   each decode token's context length, its own position included
+    window     0: the pages cover each whole context; W > 0: only its last W positions (a sliding layer's),
+               from the block holding the first of them (``page_valid`` masks the rest). Kernels that read
+               ``block_tables`` from position 0 cannot serve these pages.
     """
 
     rows: torch.Tensor
@@ -61,6 +64,7 @@ class DecodePages:
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     block_size: int
+    window: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +91,8 @@ class AttentionMetadata:
     last_token    [S] int64  flat index of each sequence's last token in this batch
     decode        the one-token chunks, their contexts cut into pages (None: there are none)
     prefills      the chunks of more than one token, each with its context's slots
+    windowed      (W, the decode pages of the last W positions of each context) for each sliding window
+                  the model has (gpt-oss): a sliding layer's decode reads O(W) positions, not O(context)
     """
 
     positions: torch.Tensor
@@ -94,6 +100,16 @@ class AttentionMetadata:
     last_token: torch.Tensor
     decode: DecodePages | None
     prefills: tuple[PrefillChunk, ...]
+    windowed: tuple[tuple[int, DecodePages], ...] = ()
+
+    def decode_pages(self, window: int = 0) -> DecodePages | None:
+        """The decode pages a layer of this attention window reads (0: the whole context)."""
+        if not window or self.decode is None:
+            return self.decode
+        for w, pages in self.windowed:
+            if w == window:
+                return pages
+        raise ValueError(f"no decode pages for window {window}: build the metadata with windows=({window},)")
 
     @property
     def num_tokens(self) -> int:
@@ -105,7 +121,7 @@ class AttentionMetadata:
 
 
 def build_attention_metadata(chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu",
-                             page_tokens: int = PAGE_TOKENS) -> AttentionMetadata:
+                             page_tokens: int = PAGE_TOKENS, windows: Sequence[int] = ()) -> AttentionMetadata:
     if not chunks:
         raise ValueError("a batch needs at least one sequence chunk")
     for c in chunks:
@@ -124,13 +140,17 @@ def build_attention_metadata(chunks: Sequence[SeqChunk], block_size: int, device
     prefills = tuple(PrefillChunk(rows[s], c.start, c.length, _slots(c, block_size, 0, c.end).to(device))
                      for s, c in enumerate(chunks) if c.length > 1)
     decoding = [s for s, c in enumerate(chunks) if c.length == 1]
-    decode = _decode_pages([chunks[s] for s in decoding], [rows[s] for s in decoding], block_size, page_tokens, device) if decoding else None
+    decode_chunks, decode_rows = [chunks[s] for s in decoding], [rows[s] for s in decoding]
+    decode = _decode_pages(decode_chunks, decode_rows, block_size, page_tokens, device) if decoding else None
+    windowed = tuple((w, _decode_pages(decode_chunks, decode_rows, block_size, page_tokens, device, w))
+                     for w in sorted(set(windows)) if decoding)
     return AttentionMetadata(
         positions=positions_t.to(device),
         slot_mapping=slot_mapping.to(device),
         last_token=(torch.cumsum(lengths, 0) - 1).to(device),
         decode=decode,
         prefills=prefills,
+        windowed=windowed,
     )
 
 
@@ -140,24 +160,28 @@ def _slots(c: SeqChunk, block_size: int, begin: int, end: int) -> torch.Tensor:
     return torch.tensor(list(c.block_table[: -(-end // block_size)]), dtype=torch.long)[p // block_size] * block_size + p % block_size
 
 
-def _decode_pages(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: int, page_tokens: int, device) -> DecodePages:
-    """Each decode token's context (positions 0..start) in pages of whole blocks; only the last page of a
-    context is partial. Vectorized over pages: O(pages) Python, not O(context tokens)."""
-    longest = max(c.end for c in chunks)  # no page longer than the step's longest context
+def _decode_pages(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: int, page_tokens: int, device,
+                  window: int = 0) -> DecodePages:
+    """Each decode token's context (positions 0..start; with a window, its last ``window`` positions) in pages
+    of whole blocks; only the last page of a context is partial. Vectorized over pages: O(pages) Python, not
+    O(context tokens)."""
+    first = [max(0, c.end - window) if window else 0 for c in chunks]  # each context's first visible position
+    longest = max(c.end - f // block_size * block_size for c, f in zip(chunks, first))  # no page longer than needed
     per_page = block_size * max(1, min(-(-page_tokens // block_size), -(-longest // block_size)))
     page_row, page_start, ends = [], [], []
     width = max(len(c.block_table) for c in chunks)
     tables = torch.tensor([[*c.block_table, *[0] * (width - len(c.block_table))] for c in chunks], dtype=torch.long)
     for d, c in enumerate(chunks):
-        for a in range(0, c.end, per_page):
+        for a in range(first[d] // block_size * block_size, c.end, per_page):
             page_row.append(d)
             page_start.append(a)
         ends.append(c.end)
     row_t, ends_t = torch.tensor(page_row, dtype=torch.long), torch.tensor(ends, dtype=torch.long)
     pos = torch.tensor(page_start, dtype=torch.long)[:, None] + torch.arange(per_page)[None, :]  # [P, N]
-    valid = pos < ends_t[row_t][:, None]
-    pos = pos.masked_fill(~valid, 0)
+    valid = (pos < ends_t[row_t][:, None]) & (pos >= torch.tensor(first, dtype=torch.long)[row_t][:, None])
+    # a page's runs start at whole blocks of the table (the positions before a window's first stay in its
+    # first block); positions past a context's end read its table's padding, masked
     block = tables[row_t[:, None], (pos // block_size).clamp(max=width - 1)]
     slots = (block * block_size + pos % block_size).masked_fill(~valid, 0)
     return DecodePages(torch.tensor(rows, dtype=torch.long, device=device), row_t.to(device), slots.to(device), valid.to(device),
-                       block[:, ::block_size].contiguous().to(device), tables.to(device), ends_t.to(device), block_size)
+                       block[:, ::block_size].contiguous().to(device), tables.to(device), ends_t.to(device), block_size, window)

@@ -50,12 +50,15 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=dtype))
         if moe.score_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32))
+        if moe.router_bias:
+            self.bias = nn.Parameter(torch.empty(moe.num_experts, dtype=dtype))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> router logits [T, E] (fp32 for DeepSeek and GLM, model dtype for Qwen)."""
+        bias = self.bias if self.moe.router_bias else None
         if self.moe.router_fp32:
-            return linear(x.float(), self.weight.float())
-        return linear(x, self.weight)
+            return linear(x.float(), self.weight.float(), None if bias is None else bias.float())
+        return linear(x, self.weight, bias)
 
     def selection_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """Scores [T, E] -> what the top-k is taken over: biased, and -inf outside the kept groups."""
@@ -96,7 +99,8 @@ class MoEBlock(nn.Module):
         super().__init__()
         moe = config.moe
         self.gate = Router(config.hidden_size, moe)
-        self.experts = GroupedExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, expert_ids)
+        self.experts = GroupedExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, expert_ids,
+                                      bias=moe.expert_bias, swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha)
         self.shared_experts = (
             GatedMLP(config.hidden_size, moe.shared_intermediate_size) if moe.num_shared_experts else None
         )
@@ -138,6 +142,20 @@ class MoEModel(nn.Module):
         self.rotary = RotaryEmbedding(config.rope)
 
     # ------------------------------------------------------------------ family hooks
+    #: (afd name part, checkpoint name part) renames, applied in order, the first that matches wins
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    #: per-expert checkpoint tensors ``{prefix}{e}.{name}.weight`` of gate, up and down
+    expert_tensors: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    #: the checkpoint stores each layer's experts stacked in one tensor (gpt-oss), not one tensor per expert
+    stacked_experts: bool = False
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint tensor that fills afd's parameter ``name`` (afd's names follow the Hugging Face ones)."""
+        for ours, theirs in self.checkpoint_renames:
+            if ours in name:
+                return name.replace(ours, theirs)
+        return name
+
     def make_attention(self, layer: int) -> nn.Module:
         raise NotImplementedError
 

@@ -74,8 +74,13 @@ class CheckpointReader:
         """The stored shape, read from the file header (no tensor bytes)."""
         return tuple(self._handle(name).get_slice(name).get_shape())
 
-    def read(self, name: str) -> torch.Tensor:
-        tensor = self._handle(name).get_tensor(name)
+    def read(self, name: str, index: int | None = None) -> torch.Tensor:
+        """The tensor, or only its row ``index`` along dim 0 (the one expert of a stacked tensor: the other
+        experts' bytes are not read)."""
+        if index is None:
+            tensor = self._handle(name).get_tensor(name)
+        else:
+            tensor = self._handle(name).get_slice(name)[index : index + 1][0]
         self.stats.bytes_read += tensor.numel() * tensor.element_size()
         self.stats.tensors_read += 1
         return tensor

@@ -13,4 +13,4 @@ class Glm4MoeModel(Qwen3MoeModel):
     """Qwen3-MoE's GQA cache layout; GLM's o_proj has no bias even when attention_bias is set."""
 
     def make_attention(self, layer: int) -> nn.Module:
-        return GQAttention(self.config, o_bias=False)
+        return GQAttention(self.config, layer, o_bias=False)

@@ -26,6 +26,8 @@ ARCHITECTURES = {
     "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi-K2 ships V3's architecture under its own model_type
     "glm4_moe": "Glm4MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -53,6 +55,10 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         return _parse_deepseek(raw, v3=model_type != "deepseek_v2")
     if model_type == "glm4_moe":
         return _parse_glm4_moe(raw)
+    if model_type == "minimax_m2":
+        return _parse_minimax_m2(raw)
+    if model_type == "gpt_oss":
+        return _parse_gpt_oss(raw)
     return _parse_qwen3_moe(raw)
 
 
@@ -204,6 +210,51 @@ def _parse_glm4_moe(raw: dict[str, Any]) -> ModelConfig:
         qk_norm=bool(raw.get("use_qk_norm", False)),
         num_mtp_layers=_mtp_layers(raw),
     )
+
+
+def _head_dim(raw: dict[str, Any]) -> int:
+    return raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+
+
+def _parse_minimax_m2(raw: dict[str, Any]) -> ModelConfig:
+    """MiniMax-M2 as published: ``rotary_dim`` (or ``partial_rotary_factor``) rotates the first channels of
+    each head (halves convention); every layer is MoE; sigmoid + bias selection, normalised weights."""
+    head_dim = _head_dim(raw)
+    params = raw.get("rope_parameters") or {}
+    rotary = raw.get("rotary_dim") or int(head_dim * params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if raw.get("scoring_func", "sigmoid") != "sigmoid":
+        raise UnsupportedArchitectureError(f"MiniMax-M2 with scoring_func={raw['scoring_func']!r} is not supported (only sigmoid)")
+    num_experts = raw.get("num_local_experts")
+    if not num_experts:
+        raise UnsupportedArchitectureError("MiniMax-M2 config without num_local_experts is a dense model; afd serves MoE models")
+    moe = MoEConfig(num_experts=num_experts, top_k=raw["num_experts_per_tok"], intermediate_size=raw["intermediate_size"],
+                    layers=tuple(range(raw["num_hidden_layers"])), scoring="sigmoid", topk_method="noaux_tc",
+                    scale_after_norm=True, norm_topk_prob=True, routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
+    return ModelConfig(architecture="MiniMaxM2ForCausalLM", **_common(raw), head_dim=head_dim,
+                       rope=_rope(raw, rotary, interleaved=False), moe=moe, qk_norm=bool(raw.get("use_qk_norm", True)),
+                       qk_norm_span="all", num_mtp_layers=_mtp_layers(raw))
+
+
+def _parse_gpt_oss(raw: dict[str, Any]) -> ModelConfig:
+    """gpt-oss: sinks on every layer, ``layer_types`` names the sliding ones (default: every even layer),
+    biased router and experts, clamped SwiGLU. Unquantised, or its release's MXFP4 experts (afd/models/mxfp4.py)."""
+    quant = (raw.get("quantization_config") or {}).get("quant_method")
+    if quant not in (None, "mxfp4"):
+        raise UnsupportedArchitectureError(f"gpt-oss checkpoint quantised with quant_method={quant!r}: afd reads gpt-oss "
+                                           "unquantised or with MXFP4 experts (quant_method: mxfp4)")
+    num_layers, head_dim = raw["num_hidden_layers"], _head_dim(raw)
+    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != num_layers:
+        raise UnsupportedArchitectureError(f"gpt-oss layer_types must name {num_layers} layers, each sliding_attention or "
+                                           f"full_attention; got {types}")
+    moe = MoEConfig(num_experts=raw["num_local_experts"], top_k=raw["num_experts_per_tok"], intermediate_size=raw["intermediate_size"],
+                    layers=tuple(range(num_layers)), norm_topk_prob=True, router_bias=True, expert_bias=True,
+                    swiglu_limit=float(raw.get("swiglu_limit", 7.0)), swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)))
+    common = {**_common(raw, eps=1e-5), "attention_bias": bool(raw.get("attention_bias", True))}
+    return ModelConfig(architecture="GptOssForCausalLM", **common, head_dim=head_dim, rope=_rope(raw, head_dim, interleaved=False),
+                       moe=moe, attention_sinks=True, sliding_window=raw.get("sliding_window") or 128,
+                       sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"))
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:

@@ -71,6 +71,13 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), where
+    g = min(gate, limit) (gate is clamped above only)."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
+
+
 class RotaryEmbedding:
     """Rotary embedding frequencies (default or YaRN). Holds constants only."""
 
@@ -143,10 +150,14 @@ class GroupedExperts(nn.Module):
     """The routed experts a process holds, stacked: one GEMM pair per expert over its tokens.
 
     ``expert_ids`` are the logical ids held here (any subset of ``range(num_experts)``).
-    Weights: ``gate_up_proj [E_local, 2I, H]`` (gate rows first) and ``down_proj [E_local, H, I]``.
+    Weights: ``gate_up_proj [E_local, 2I, H]`` (gate rows first) and ``down_proj [E_local, H, I]``;
+    with ``bias`` (gpt-oss) also ``gate_up_proj_bias [E_local, 2I]`` and ``down_proj_bias [E_local, H]``,
+    each expert's down bias added before its combine weight. ``swiglu_limit``: the clamped activation
+    (:func:`clamped_swiglu`) instead of silu(gate) * up.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, expert_ids: Sequence[int]) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, expert_ids: Sequence[int],
+                 bias: bool = False, swiglu_limit: float | None = None, swiglu_alpha: float = 1.702) -> None:
         super().__init__()
         ids = sorted(set(expert_ids))
         if ids and not (0 <= ids[0] and ids[-1] < num_experts):
@@ -156,6 +167,11 @@ class GroupedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(len(ids), 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(len(ids), hidden_size, intermediate_size))
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(len(ids), 2 * intermediate_size))
+            self.down_proj_bias = nn.Parameter(torch.empty(len(ids), hidden_size))
+        self.bias = bias
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
         lookup = torch.full((num_experts,), -1, dtype=torch.long, device="cpu")
         lookup[list(ids)] = torch.arange(len(ids), device="cpu")
         self._global_to_local = lookup  # constant [E] -> local index or -1
@@ -190,7 +206,9 @@ class GroupedExperts(nn.Module):
         if kernels is None:
             return self.reference(x, topk_ids, topk_weights)
         # the loop of :meth:`reference` in one C++ call (afd/kernels/csrc/moe_experts.cpp says how)
-        out, counts = kernels.moe_experts(x, self._local_ids(topk_ids), topk_weights, self.gate_up_proj, self.down_proj)
+        biases = (self.gate_up_proj_bias, self.down_proj_bias) if self.bias else (None, None)
+        out, counts = kernels.moe_experts(x, self._local_ids(topk_ids), topk_weights, self.gate_up_proj, self.down_proj,
+                                          *biases, self.swiglu_limit, self.swiglu_alpha)
         for e, n in enumerate(counts.tolist()):
             self.tokens_routed[e] += n
         return out
@@ -219,7 +237,12 @@ class GroupedExperts(nn.Module):
                 start += n
                 xe = x[rows // k]  # [n, H]
                 w_gate_up, w_down = self.expert_weights(e)
-                gate, up = linear(xe, w_gate_up).chunk(2, dim=-1)
-                ye = linear(F.silu(gate) * up, w_down)  # [n, H]
+                b_gate_up, b_down = (self.gate_up_proj_bias[e], self.down_proj_bias[e]) if self.bias else (None, None)
+                gate, up = linear(xe, w_gate_up, b_gate_up).chunk(2, dim=-1)
+                if self.swiglu_limit is None:
+                    act = F.silu(gate) * up
+                else:
+                    act = clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha)
+                ye = linear(act, w_down, b_down)  # [n, H], the expert's bias before its weight
                 out[rows] = (ye * weights[rows, None]).to(out.dtype)
         return out.view(num_tokens, k, -1).sum(dim=1)

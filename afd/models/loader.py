@@ -23,6 +23,7 @@ from afd.models.base import MoEModel
 from afd.models.checkpoint import CheckpointError, CheckpointReader
 from afd.models.hf_config import load_model_config, read_config_json
 from afd.models.layers import GroupedExperts
+from afd.models.mxfp4 import dequantize_mxfp4, is_mxfp4
 from afd.models.quant import SCALE_SUFFIX, Fp8Linear, dequantize, fp8_format
 from afd.models.registry import model_class
 
@@ -83,16 +84,38 @@ class LoadReport:
     dtype: torch.dtype
     fp8: str | None = None  # how fp8 block-scaled weights were loaded (dequantize | keep); None: none were
     skipped_mtp: int = 0  # tensors of multi-token-prediction layers left unread
+    mxfp4: str | None = None  # how MXFP4 experts were loaded (dequantize); None: none were
 
 
 @dataclass(frozen=True, slots=True)
 class _Copy:
-    """Copy checkpoint tensor ``source`` into ``param[index][rows]``."""
+    """Copy checkpoint tensor ``source`` (``source[expert]`` when the checkpoint stacks every expert in one
+    tensor), after ``convert`` (a name in :data:`_CONVERTS`), into ``param[index][rows]``."""
 
     source: str
     param: str
     index: int | None = None
     rows: slice | None = None
+    expert: int | None = None
+    convert: str | None = None
+    scales: str | None = None  # MXFP4: ``source`` holds the blocks, this tensor their scales (afd/models/mxfp4.py)
+
+
+def _deinterleave(w: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] with gate and up interleaved (even columns gate, odd up) -> [..., 2I] gate first."""
+    return torch.cat((w[..., 0::2], w[..., 1::2]), dim=-1)
+
+
+#: how a stored tensor becomes afd's layout, and the stored shape of afd's shape ``want``
+_CONVERTS = {
+    # gpt-oss: gate_up_proj [H, 2I] interleaved -> [2I, H] gate rows first; its bias [2I] likewise
+    "interleaved_t": (lambda w: _deinterleave(w).t(), lambda want: (want[1], want[0])),
+    "interleaved": (_deinterleave, lambda want: want),
+    # gpt-oss: down_proj [I, H] -> [H, I]
+    "t": (lambda w: w.t(), lambda want: (want[1], want[0])),
+    # gpt-oss's MXFP4 gate_up, decoded: [2I, H] with gate and up rows interleaved -> gate rows first
+    "rows_interleaved": (lambda w: torch.cat((w[0::2], w[1::2])), lambda want: want),
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype, raw_config: dict) -> torch.dtype:
@@ -111,29 +134,42 @@ def _category(param: str) -> str:
         return "experts"
     if ".mlp.shared_experts." in param:
         return "shared_experts"
-    if param.endswith((".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")):
+    if param.endswith((".mlp.gate.weight", ".mlp.gate.bias", ".mlp.gate.e_score_correction_bias")):
         return "routers"
     if ".mlp." in param:
         return "dense_mlp"
     return "attention"
 
 
-def _plan(model: MoEModel, expert_ids: Iterable[int]) -> list[_Copy]:
-    """Every copy needed to fill ``model``'s parameters, routed experts expanded to ``expert_ids``."""
+def _plan(model: MoEModel, expert_ids: Iterable[int], mxfp4: bool = False) -> list[_Copy]:
+    """Every copy needed to fill ``model``'s parameters, routed experts expanded to ``expert_ids``, named as
+    the family's checkpoints name them (:meth:`MoEModel.checkpoint_name`, :attr:`MoEModel.expert_tensors`);
+    ``mxfp4``: the stacked experts' weights are MXFP4 blocks and scales."""
     inter = model.config.moe.intermediate_size
     ids = list(expert_ids)
+    gate_name, up_name, down_name = model.expert_tensors
     plan: list[_Copy] = []
     for name, _ in model.named_parameters():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            prefix = name.removesuffix("gate_up_proj")
+        source = model.checkpoint_name(name)
+        if model.stacked_experts and ".mlp.experts." in name:  # one tensor holds every expert: read each held one's row
+            attr = name.rpartition(".")[2]
+            if mxfp4 and attr in ("gate_up_proj", "down_proj"):
+                convert = "rows_interleaved" if attr == "gate_up_proj" else None
+                plan.extend(_Copy(f"{source}_blocks", name, local, expert=e, convert=convert, scales=f"{source}_scales")
+                            for local, e in enumerate(ids))
+                continue
+            convert = {"gate_up_proj": "interleaved_t", "gate_up_proj_bias": "interleaved", "down_proj": "t"}.get(attr)
+            plan.extend(_Copy(source, name, local, expert=e, convert=convert) for local, e in enumerate(ids))
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            prefix = source.removesuffix("gate_up_proj")
             for local, e in enumerate(ids):
-                plan.append(_Copy(f"{prefix}{e}.gate_proj.weight", name, local, slice(0, inter)))
-                plan.append(_Copy(f"{prefix}{e}.up_proj.weight", name, local, slice(inter, 2 * inter)))
+                plan.append(_Copy(f"{prefix}{e}.{gate_name}.weight", name, local, slice(0, inter)))
+                plan.append(_Copy(f"{prefix}{e}.{up_name}.weight", name, local, slice(inter, 2 * inter)))
         elif name.endswith("mlp.experts.down_proj"):
-            prefix = name.removesuffix("down_proj")
-            plan.extend(_Copy(f"{prefix}{e}.down_proj.weight", name, local) for local, e in enumerate(ids))
+            prefix = source.removesuffix("down_proj")
+            plan.extend(_Copy(f"{prefix}{e}.{down_name}.weight", name, local) for local, e in enumerate(ids))
         else:
-            plan.append(_Copy(name, name))
+            plan.append(_Copy(source, name))
     return plan
 
 
@@ -144,7 +180,8 @@ def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def _target_dtype(model: MoEModel, name: str, dtype: torch.dtype) -> torch.dtype:
-    if name.endswith("mlp.gate.e_score_correction_bias") or (name.endswith("mlp.gate.weight") and model.config.moe.router_fp32):
+    if name.endswith("mlp.gate.e_score_correction_bias") or (name.endswith(("mlp.gate.weight", "mlp.gate.bias"))
+                                                              and model.config.moe.router_fp32):
         return torch.float32  # DeepSeek and GLM keep the router in fp32
     return dtype
 
@@ -180,13 +217,14 @@ def load_model(
     raw = read_config_json(model_dir)
     config = load_model_config(model_dir)
     fmt = fp8_format(raw)
+    mxfp4 = is_mxfp4(raw)
     target = resolve_dtype(dtype, raw)
     held = selection.held_experts(config.moe.num_experts)
     model = build_meta_model(config, held)
     reader = CheckpointReader(model_dir)
 
-    full_plan = _plan(build_meta_model(config), range(config.moe.num_experts))
-    expected = {c.source for c in full_plan}
+    full_plan = _plan(build_meta_model(config), range(config.moe.num_experts), mxfp4)
+    expected = {c.source for c in full_plan} | {c.scales for c in full_plan if c.scales}
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
     available = reader.names()
@@ -210,10 +248,10 @@ def load_model(
         "shared_experts": selection.shared_experts,
         "experts": True,
     }
-    plan = [c for c in _plan(model, held) if wanted[_category(c.param)]]
+    plan = [c for c in _plan(model, held, mxfp4) if wanted[_category(c.param)]]
     if config.tie_word_embeddings and "lm_head.weight" not in available:
         plan = [replace(c, source="model.embed_tokens.weight") if c.source == "lm_head.weight" else c for c in plan]
-    missing = sorted(c.source for c in plan if c.source not in available)
+    missing = sorted({n for c in plan for n in (c.source, c.scales) if n and n not in available})
     if missing:
         raise CheckpointError(
             f"{len(missing)} tensors missing from {model_dir}: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
@@ -226,6 +264,17 @@ def load_model(
         if c.rows is not None:
             want = (c.rows.stop - c.rows.start, *want[1:])
         got = reader.shape(c.source)
+        if c.convert is not None:
+            want = tuple(_CONVERTS[c.convert][1](want))
+        if c.scales is not None:  # MXFP4: [rows, cols] as blocks [rows, cols / 32, 16] and scales [rows, cols / 32]
+            if want[-1] % 32:
+                raise CheckpointError(f"{c.param}: {want[-1]} columns are not whole MXFP4 groups of 32")
+            want_scales = (config.moe.num_experts, *want[:-1], want[-1] // 32)
+            if reader.shape(c.scales) != want_scales:
+                raise CheckpointError(f"tensor {c.scales} has shape {list(reader.shape(c.scales))}, the model expects {list(want_scales)}")
+            want = (*want_scales, 16)
+        elif c.expert is not None:  # stacked: [num_experts, *one expert's]
+            want = (config.moe.num_experts, *want)
         if got != want:
             raise CheckpointError(f"tensor {c.source} has shape {list(got)}, the model expects {list(want)}")
 
@@ -246,7 +295,11 @@ def load_model(
             dst = dst[c.index]
         if c.rows is not None:
             dst = dst[c.rows]
-        value = reader.read(c.source)
+        value = reader.read(c.source, c.expert)
+        if c.scales is not None:
+            value = dequantize_mxfp4(value, reader.read(c.scales, c.expert), torch.float32)
+        if c.convert is not None:
+            value = _CONVERTS[c.convert][0](value)
         if is_q:
             scale = reader.read(c.source + SCALE_SUFFIX)
             if keep:
@@ -269,6 +322,7 @@ def load_model(
         dtype=target,
         fp8=fp8 if quantized else None,
         skipped_mtp=len(mtp),
+        mxfp4="dequantize" if mxfp4 else None,
     )
     log.info("loaded %d tensors (%.1f MB) from %s as %s%s", len(plan), report.bytes_read / 1e6, model_dir, target,
              f", {len(quantized)} fp8 weights ({fp8})" if quantized else "")

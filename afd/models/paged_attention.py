@@ -17,6 +17,18 @@ the longest query or the longest context of a step, and no full q x L score matr
 Heads may be grouped: queries ``[*, Hq, D]`` against keys ``[*, Hk, D]`` with Hq a multiple of Hk
 (Qwen3's GQA; MLA's absorbed form is Hk = 1, one latent key shared by every head). Matmuls run in the
 input dtype, softmax statistics in fp32.
+
+gpt-oss adds two things, both exact in every path here:
+
+* **sinks**: a learned logit per query head joins each softmax with no value (the probabilities of the
+  real keys sum to less than one). In decode it is one more "page" per token in the log-sum-exp merge,
+  with maximum = the sink, sum = 1 and output 0.
+* **sliding windows**: a query at position i sees keys i-W+1..i (W keys, itself included). Decode reads
+  the window's pages only (:meth:`AttentionMetadata.decode_pages`); a prefill chunk gathers the keys from
+  its first query's window on and masks both ends.
+
+The native decode kernel does both: it starts at the window's first block and masks the rows before it,
+and folds the sink into its softmax sum at the end.
 """
 
 from __future__ import annotations
@@ -47,10 +59,11 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) ->
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, pages: DecodePages,
-                     scale: float, value_dim: int | None = None) -> torch.Tensor:
+                     scale: float, value_dim: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [D, Hq, Dk] (one query per decode token); k_cache [slots, Hk, Dk]; v_cache [slots, Hk, Dv], or
-    None when the values are the first ``value_dim`` channels of the keys (MLA's latent). -> [D, Hq, Dv].
-    The native kernel where it applies (CPU tensors of one dtype, contiguous caches), else the reference."""
+    None when the values are the first ``value_dim`` channels of the keys (MLA's latent); sinks [Hq] or
+    None. -> [D, Hq, Dv]. The native kernel where it applies (CPU tensors of one dtype, contiguous caches),
+    else the reference."""
     kernels = native_ops() if q.device.type == "cpu" else None
     if kernels is not None and q.dtype != torch.float32 and not kernels.paged_decode_vectorized:
         kernels = None  # half precision without AVX-512 or AVX2: scalar conversions, slower than the batched matmuls below
@@ -58,14 +71,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             and (v_cache is None or (v_cache.dtype == q.dtype and v_cache.is_contiguous()))):
         empty = k_cache.new_empty(0)
         return kernels.paged_decode_attention(q.contiguous(), k_cache, empty if v_cache is None else v_cache,
-                                              pages.block_tables, pages.context_lens, pages.block_size, scale, value_dim or 0)
+                                              pages.block_tables, pages.context_lens, pages.block_size, scale, value_dim or 0,
+                                              pages.window, empty.float() if sinks is None else sinks.float().contiguous())
     return decode_attention_reference(q, k_cache, v_cache, pages, scale, value_dim)
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, pages: DecodePages,
-                               scale: float, value_dim: int | None = None) -> torch.Tensor:
+                               scale: float, value_dim: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`decode_attention` in torch ops: contexts gathered a group of pages at a time, scored by batched
-    matmuls in q's dtype, softmax statistics in fp32, the pages of a token merged by log-sum-exp."""
+    matmuls in q's dtype, softmax statistics in fp32, the pages of a token merged by log-sum-exp (a sink is
+    one more page of each token: maximum = the sink, sum 1, output 0)."""
     num, hq, dk = q.shape
     hk = k_cache.shape[1]
     g = hq // hk
@@ -86,38 +101,59 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
         m = scores.amax(-1)  # [p, Hk, G]; a page holds at least one context position
         e = torch.exp_(scores.sub_(m[..., None]))
+        # (a window's first page starts at a whole block, so it holds at least one visible position too)
         l_all.append(e.sum(-1))
         if hk == 1:
             o_all.append(torch.bmm(e[:, 0].to(values.dtype), values[:, :, 0]).float()[:, None])  # [p, 1, G, Dv]
         else:
             o_all.append(torch.einsum("pkgn,pnkv->pkgv", e.to(values.dtype), values).float())  # [p, Hk, G, Dv]
         m_all.append(m)
+    page_row = pages.page_row
+    if sinks is not None:  # one more page per token: the sink's logit, no value
+        m_all.append(sinks.float().view(1, hk, g).expand(num, hk, g))
+        l_all.append(torch.ones(num, hk, g, device=q.device))
+        o_all.append(torch.zeros(num, hk, g, dv, device=q.device))
+        page_row = torch.cat((page_row, torch.arange(num, device=q.device)))
     m, l, o = (torch.cat(x) if len(x) > 1 else x[0] for x in (m_all, l_all, o_all))
     if m.shape[0] == num:  # one page per token (every context within a page): no merge
         return (o / l[..., None]).view(num, hq, dv).to(q.dtype)
     # merge the pages of each token: weights exp(m_page - max_m) (exact softmax over the whole context)
-    index = pages.page_row[:, None, None].expand_as(m)
+    index = page_row[:, None, None].expand_as(m)
     top = torch.full((num, hk, g), float("-inf"), device=q.device).scatter_reduce_(0, index, m, "amax")
-    w = torch.exp(m - top[pages.page_row])  # [P, Hk, G]
-    den = torch.zeros(num, hk, g, device=q.device).index_add_(0, pages.page_row, l * w)
-    out = torch.zeros(num, hk, g, dv, device=q.device).index_add_(0, pages.page_row, o * w[..., None])
+    w = torch.exp(m - top[page_row])  # [P, Hk, G]
+    den = torch.zeros(num, hk, g, device=q.device).index_add_(0, page_row, l * w)
+    out = torch.zeros(num, hk, g, dv, device=q.device).index_add_(0, page_row, o * w[..., None])
     return (out / den[..., None]).view(num, hq, dv).to(q.dtype)
 
 
-def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+def window_start(start: int, window: int) -> int:
+    """The first key position a prefill chunk starting at ``start`` can see with this window (0: none)."""
+    return max(0, start - window + 1) if window else 0
+
+
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,
+                      window: int = 0, sinks: torch.Tensor | None = None, first: int = 0) -> torch.Tensor:
     """One sequence's chunk: q [q, Hq, Dk] at positions start..start+q-1; keys [L, Hk, Dk] and values
-    [L, Hk, Dv] of positions 0..L-1 (L = start + q). -> [q, Hq, Dv]."""
+    [L, Hk, Dv] of positions first..first+L-1 (first: 0, or :func:`window_start` where a window lets the
+    chunk skip the keys before it). A query at i sees keys up to i, and with a window only those > i - window.
+    sinks [Hq] or None. -> [q, Hq, Dv]."""
     length, hq = q.shape[0], q.shape[1]
     total, hk = keys.shape[0], keys.shape[1]
     rows = max(1, WORKSPACE_BYTES // (hq * total * 4 * 2))  # a tile's fp32 scores and probabilities
     key = keys.transpose(0, 1)  # [Hk, L, Dk]
     value = values.transpose(0, 1)  # [Hk, L, Dv]
-    j = torch.arange(total, device=q.device)
+    j = first + torch.arange(total, device=q.device)  # the keys' positions
     outs = []
     for a in range(0, length, rows):
         b = min(length, a + rows)
-        visible = j[None, :] <= start + torch.arange(a, b, device=q.device)[:, None]  # [r, L] causal with the offset
+        i = start + torch.arange(a, b, device=q.device)[:, None]  # the queries' positions
+        visible = j[None, :] <= i  # [r, L] causal with the offset
+        if window:
+            visible &= j[None, :] > i - window
         query = q[a:b].transpose(0, 1)  # [Hq, r, Dk]
+        if sinks is not None:
+            outs.append(_attend_with_sinks(query, key, value, visible, scale, sinks).transpose(0, 1))
+            continue
         if hk == 1:  # one key for every head: fold the heads into the query rows, read the keys once
             out = F.scaled_dot_product_attention(query.reshape(1, hq * (b - a), -1), key, value,
                                                  attn_mask=visible.repeat(hq, 1), scale=scale).view(hq, b - a, -1)
@@ -125,3 +161,17 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale, enable_gqa=hk != hq)
         outs.append(out.transpose(0, 1))  # [r, Hq, Dv]
     return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _attend_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scale: float,
+                       sinks: torch.Tensor) -> torch.Tensor:
+    """query [Hq, r, Dk], key [Hk, L, Dk], value [Hk, L, Dv], visible [r, L], sinks [Hq] -> [Hq, r, Dv]: the
+    softmax over the visible keys' logits and the head's sink logit, whose probability is dropped."""
+    hq, r, _ = query.shape
+    hk = key.shape[0]
+    grouped = query.reshape(hk, (hq // hk) * r, -1)  # the heads of a group share their key
+    scores = torch.bmm(grouped, key.transpose(1, 2)).float().mul_(scale).view(hq, r, -1)
+    scores.masked_fill_(~visible, float("-inf"))
+    sink = sinks.float().view(hq, 1, 1).expand(hq, r, 1)
+    probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+    return torch.bmm(probs.to(value.dtype).view(hk, (hq // hk) * r, -1), value).view(hq, r, -1)

@@ -11,13 +11,18 @@ from afd.config import ModelConfig
 from afd.kvcache import AttentionMetadata
 from afd.models.base import MoEModel
 from afd.models.layers import Linear, RMSNorm, RotaryEmbedding
-from afd.models.paged_attention import decode_attention, gather, prefill_attention
+from afd.models.paged_attention import decode_attention, gather, prefill_attention, window_start
 
 
 class GQAttention(nn.Module):
-    """``attention_bias`` biases q/k/v, and o_proj too unless ``o_bias`` is False (GLM)."""
+    """``attention_bias`` biases q/k/v, and o_proj too unless ``o_bias`` is False (GLM).
 
-    def __init__(self, config: ModelConfig, o_bias: bool = True) -> None:
+    ``config.qk_norm_span`` "head" normalises each head of q and k (Qwen3, GLM); "all" normalises the whole
+    q and k projections before they are cut into heads (MiniMax-M2). ``config.attention_sinks`` adds one
+    learned logit per head to the softmax (gpt-oss); ``config.window(layer)`` > 0 limits the layer to a
+    sliding window."""
+
+    def __init__(self, config: ModelConfig, layer: int = 0, o_bias: bool = True) -> None:
         super().__init__()
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
@@ -25,10 +30,14 @@ class GQAttention(nn.Module):
         self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
         self.o_proj = Linear(self.num_heads * d, h, bias=bias and o_bias)
+        self.qk_norm = config.qk_norm and config.qk_norm_span
         if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps)
-        self.qk_norm = config.qk_norm
+            whole = config.qk_norm_span == "all"
+            self.q_norm = RMSNorm(self.num_heads * d if whole else d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.num_kv_heads * d if whole else d, config.rms_norm_eps)
+        if config.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads))
+        self.window = config.window(layer)
         self.scale = d**-0.5
 
     def forward(
@@ -41,8 +50,11 @@ class GQAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q, k = self.q_proj(x).view(t, self.num_heads, d), self.k_proj(x).view(t, self.num_kv_heads, d)
-        if self.qk_norm:
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d)
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)  # [T, nh, d], [T, nkv, d]
         v = self.v_proj(x).view(t, self.num_kv_heads, d)
@@ -51,18 +63,23 @@ class GQAttention(nn.Module):
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = q.new_empty(t, self.num_heads, d)
-        if meta.decode is not None:
-            rows = meta.decode.rows
-            out[rows] = decode_attention(q[rows], k_cache, v_cache, meta.decode, self.scale)
+        sinks = getattr(self, "sinks", None)
+        pages = meta.decode_pages(self.window)
+        if pages is not None:
+            rows = pages.rows
+            out[rows] = decode_attention(q[rows], k_cache, v_cache, pages, self.scale, sinks=sinks)
         for chunk in meta.prefills:
             rows = slice(chunk.row, chunk.row + chunk.length)
-            out[rows] = prefill_attention(q[rows], gather(k_cache, chunk.slots), gather(v_cache, chunk.slots), chunk.start, self.scale)
+            first = window_start(chunk.start, self.window)  # a sliding layer reads the keys from its window on
+            slots = chunk.slots[first:]
+            out[rows] = prefill_attention(q[rows], gather(k_cache, slots), gather(v_cache, slots), chunk.start, self.scale,
+                                          self.window, sinks, first)
         return self.o_proj(out.reshape(t, self.num_heads * d))
 
 
 class Qwen3MoeModel(MoEModel):
     def make_attention(self, layer: int) -> nn.Module:
-        return GQAttention(self.config)
+        return GQAttention(self.config, layer)
 
     def kv_layout(self) -> tuple[tuple[int, ...], ...]:
         c = self.config

@@ -5,6 +5,8 @@ from __future__ import annotations
 from afd.models.base import MoEModel
 from afd.models.deepseek_v2 import DeepseekV2Model, DeepseekV3Model
 from afd.models.glm4_moe import Glm4MoeModel
+from afd.models.gpt_oss import GptOssModel
+from afd.models.minimax_m2 import MiniMaxM2Model
 from afd.models.qwen3_moe import Qwen3MoeModel
 
 MODEL_CLASSES: dict[str, type[MoEModel]] = {
@@ -12,6 +14,8 @@ MODEL_CLASSES: dict[str, type[MoEModel]] = {
     "DeepseekV3ForCausalLM": DeepseekV3Model,
     "Glm4MoeForCausalLM": Glm4MoeModel,
     "Qwen3MoeForCausalLM": Qwen3MoeModel,
+    "MiniMaxM2ForCausalLM": MiniMaxM2Model,
+    "GptOssForCausalLM": GptOssModel,
 }
 
 

@@ -13,12 +13,16 @@ from afd.kernels import ops as native_ops
 from afd.models.layers import GroupedExperts
 
 
-def make_experts(held: list[int], num_experts: int = 8, hidden: int = 24, inter: int = 10, dtype=torch.float32, seed: int = 0):
+def make_experts(held: list[int], num_experts: int = 8, hidden: int = 24, inter: int = 10, dtype=torch.float32, seed: int = 0,
+                 gpt_oss: bool = False):
+    """``gpt_oss``: biased experts with the clamped SwiGLU, a limit low enough that both clamps bite."""
     gen = torch.Generator().manual_seed(seed)
-    experts = GroupedExperts(num_experts, hidden, inter, held)
+    experts = GroupedExperts(num_experts, hidden, inter, held, bias=gpt_oss, swiglu_limit=0.6 if gpt_oss else None, swiglu_alpha=1.702)
     with torch.no_grad():
-        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=gen) * 0.3)
-        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=gen) * 0.3)
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        if gpt_oss:
+            experts.gate_up_proj.mul_(3)  # activations past the limit on both sides
     return experts.to(dtype)
 
 
@@ -35,21 +39,34 @@ def dense_reference(experts: GroupedExperts, x, ids, weights) -> torch.Tensor:
         for slot, e in enumerate(ids[t].tolist()):
             if e in experts.expert_ids:
                 i = experts.expert_ids.index(e)
-                gate, up = (x[t].double() @ experts.gate_up_proj[i].double().T).chunk(2)
-                out[t] += weights[t, slot].double() * ((F.silu(gate) * up) @ experts.down_proj[i].double().T)
+                gate_up = x[t].double() @ experts.gate_up_proj[i].double().T
+                if experts.bias:
+                    gate_up += experts.gate_up_proj_bias[i].double()
+                gate, up = gate_up.chunk(2)
+                if experts.swiglu_limit is None:
+                    act = F.silu(gate) * up
+                else:  # written out here: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+                    lim = experts.swiglu_limit
+                    g = torch.minimum(gate, torch.tensor(lim, dtype=torch.float64))
+                    act = (torch.clamp(up, -lim, lim) + 1) * g / (1 + torch.exp(-experts.swiglu_alpha * g))
+                y = act @ experts.down_proj[i].double().T
+                if experts.bias:
+                    y += experts.down_proj_bias[i].double()
+                out[t] += weights[t, slot].double() * y
     return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 7, 64])  # 1 and 7: decode sizes (every expert within the kernel's rows)
 @pytest.mark.parametrize("held", [list(range(8)), [1, 4, 6]])  # all, or an FFN rank's shard
-def test_native_experts_equal_the_python_loop_and_a_dense_reference(dtype, num_tokens, held):
+@pytest.mark.parametrize("gpt_oss", [False, True])  # gpt-oss: biases and the clamped SwiGLU
+def test_native_experts_equal_the_python_loop_and_a_dense_reference(dtype, num_tokens, held, gpt_oss):
     assert native_ops() is not None, "afd/kernels did not build here"
     x = torch.randn(num_tokens, 24, generator=torch.Generator().manual_seed(2)).to(dtype)
     ids, weights = routing(num_tokens, 3, 8)
-    native = make_experts(held, dtype=dtype)
+    native = make_experts(held, dtype=dtype, gpt_oss=gpt_oss)
     got = native(x, ids, weights)
-    python = make_experts(held, dtype=dtype)
+    python = make_experts(held, dtype=dtype, gpt_oss=gpt_oss)
     want = python.reference(x, ids, weights)
     assert got.dtype == want.dtype == dtype
     assert native.tokens_routed == python.tokens_routed and sum(native.tokens_routed) > 0
@@ -75,8 +92,8 @@ def _aten_ops(fn) -> set[str]:
 def test_decode_sized_experts_run_no_aten_op_per_expert():
     """Counted: at decode sizes the expert loop is C++ over scratch buffers (no gather, silu or scatter op per
     expert, which had cost as much as the GEMMs); a prefill's rows take the ATen ops."""
-    per_expert_ops = {"aten::silu", "aten::index_select", "aten::index_put_"}
-    experts = make_experts(list(range(8)))
+    per_expert_ops = {"aten::sigmoid", "aten::index_select", "aten::index_put_"}
+    experts = make_experts(list(range(8)), gpt_oss=True)  # biases and the clamped activation in C++ too
     ids, weights = routing(8, 2, 8)
     decode = _aten_ops(lambda: experts(torch.randn(8, 24), ids, weights))
     if native_ops().small_linear_vectorized:  # AVX-512 or AVX2 tiles (test_the_native_linear_is_built_here: wherever they can be)

@@ -19,14 +19,20 @@ from tests import support
 BS = 4
 
 
-def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """q [q, Hq, D] at positions start.., keys/values [L, Hk, *] -> [q, Hq, Dv], in float64."""
+def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float, window: int = 0,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [q, Hq, D] at positions start.., keys/values [L, Hk, *] of positions 0.. -> [q, Hq, Dv], in float64;
+    with a window only keys > i - window, with sinks a logit per head in the softmax, its probability dropped."""
     g = q.shape[1] // keys.shape[1]
     k = keys.double().repeat_interleave(g, dim=1)
     v = values.double().repeat_interleave(g, dim=1)
     scores = torch.einsum("qhd,lhd->hql", q.double(), k) * scale
-    visible = torch.arange(keys.shape[0])[None, :] <= start + torch.arange(q.shape[0])[:, None]
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    j, i = torch.arange(keys.shape[0])[None, :], start + torch.arange(q.shape[0])[:, None]
+    visible = (j <= i) & ((j > i - window) if window else True)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.double().view(-1, 1, 1).expand(-1, q.shape[0], 1)), dim=-1)
+    probs = scores.softmax(-1)[..., : keys.shape[0]]
     return torch.einsum("hql,lhv->qhv", probs, v)
 
 
@@ -71,6 +77,44 @@ def test_decode_pages_equal_the_reference(monkeypatch, impl, hq, hk, workspace):
         s = build_attention_metadata([SeqChunk(c.block_table, 0, n)], BS).prefills[0].slots if n > 1 else torch.tensor([c.block_table[0] * BS])
         want = reference(q[i : i + 1], k_cache[s], v_cache[s], n - 1, 0.3)
         torch.testing.assert_close(got[i : i + 1].double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", DECODE)
+@pytest.mark.parametrize("window", [0, 1, 6, 9])
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_with_sinks_and_windows_equals_the_reference(impl, window, sinks, dtype):
+    """gpt-oss: the window (W keys, the query included: 1 and a window inside one block, 6 and 9 across
+    blocks) and the sinks (large enough to matter) in the kernel and the torch path."""
+    contexts = [1, 5, 8, 37, 130]
+    hq, hk = 8, 2
+    k_cache, v_cache, tables = cache_and_tables(contexts, hk, 16, 8, seed=7)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    chunks = [SeqChunk(t, n - 1, 1) for t, n in zip(tables, contexts)]
+    meta = build_attention_metadata(chunks, BS, page_tokens=8, windows=(window,) if window else ())
+    q = torch.randn(len(contexts), hq, 16).to(dtype)
+    sink = torch.randn(hq) * 2 if sinks else None
+    got = DECODE[impl](q, k_cache, v_cache, meta.decode_pages(window), 0.3, sinks=sink)
+    for i, (t, n) in enumerate(zip(tables, contexts)):
+        s = build_attention_metadata([SeqChunk(t, 0, n)], BS).prefills[0].slots if n > 1 else torch.tensor([t[0] * BS])
+        want = reference(q[i : i + 1], k_cache[s], v_cache[s], n - 1, 0.3, window, sink)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got[i : i + 1].double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [0, 3, 6])
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("start", [0, 5, 11])
+def test_prefill_with_sinks_and_windows_equals_the_reference(window, sinks, start):
+    """A prefill chunk after ``start`` cached tokens, its keys gathered from its first query's window on."""
+    hq, hk, length = 8, 2, 7
+    gen = torch.Generator().manual_seed(start)
+    keys, values = torch.randn(start + length, hk, 16, generator=gen), torch.randn(start + length, hk, 8, generator=gen)
+    q = torch.randn(length, hq, 16, generator=gen)
+    sink = torch.randn(hq, generator=gen) * 2 if sinks else None
+    first = pa.window_start(start, window)
+    got = pa.prefill_attention(q, keys[first:], values[first:], start, 0.3, window, sink, first)
+    torch.testing.assert_close(got.double(), reference(q, keys, values, start, 0.3, window, sink), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("impl", DECODE)
@@ -126,7 +170,7 @@ def test_the_kernel_refuses_a_block_outside_the_cache():
     bad = meta.decode.block_tables.clone()
     bad[0, 1] = k_cache.shape[0] // BS  # one past the last block
     with pytest.raises(RuntimeError, match="decode token 0: block .* outside the cache"):
-        native_ops().paged_decode_attention(torch.randn(1, 2, 8), k_cache, v_cache, bad, meta.decode.context_lens, BS, 0.5, 0)
+        native_ops().paged_decode_attention(torch.randn(1, 2, 8), k_cache, v_cache, bad, meta.decode.context_lens, BS, 0.5, 0, 0, torch.empty(0))
 
 
 @pytest.mark.parametrize("hq, hk", [(4, 4), (8, 2), (6, 1)])

@@ -26,6 +26,8 @@ TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (3, 2), (2, 3)]
 PROMPTS = [[0, 17, 44, 9, 120, 301, 5, 77, 8, 250, 3, 12, 99], [0, 200, 13, 7, 2], [0, 5, 6, 7, 8, 9, 10, 11, 12]]
 ENGINE = EngineArgs(dtype="float32", kv_cache_memory=16 << 20, block_size=4)
 NEW_FAMILIES = ("dsv3-grouped-yarn", "glm4-qknorm-bias")  # DeepSeek-V3 (sigmoid + bias routing, MTP skipped), GLM-4.5
+#: MiniMax-M2 (whole-projection q/k norm) and gpt-oss (sinks, sliding windows, biased experts, stacked checkpoint)
+FAMILIES_2026 = ("minimax-m2-rotary8", "gptoss-window6")
 
 
 def topology(a, f, **kw):
@@ -35,7 +37,7 @@ def topology(a, f, **kw):
 @pytest.fixture(scope="module")
 def references(checkpoints):
     out = {}
-    for case in ("ds-qlora-grouped-yarn", "qwen3-norm-topk", *NEW_FAMILIES):
+    for case in ("ds-qlora-grouped-yarn", "qwen3-norm-topk", *NEW_FAMILIES, *FAMILIES_2026):
         model = load_model(checkpoints[case][0], dtype="float32")[0]
         out[case] = (checkpoints[case][0], model, *support.monolithic_capture(model, PROMPTS))
     return out
@@ -125,10 +127,11 @@ def test_real_processes(references, transport, a, f, case, gate, dense_on, share
                 assert not any("self_attn" in n or "embed_tokens" in n for n in names)
 
 
-@pytest.mark.parametrize("case", NEW_FAMILIES)
+@pytest.mark.parametrize("case", NEW_FAMILIES + FAMILIES_2026)
 @pytest.mark.parametrize("a, f, gate", [(2, 3, "ffn"), (3, 2, "attention"), (1, 2, "ffn")])
 def test_new_families_async_split(references, case, a, f, gate):
-    """DeepSeek-V3 and GLM-4.5 split exactly like V2: async micro-batches, A != F, the gate on either side."""
+    """DeepSeek-V3, GLM-4.5, MiniMax-M2 and gpt-oss split exactly like V2: async micro-batches, A != F, the
+    gate on either side."""
     path, model, ref_values, ref_logits = references[case]
     for dense_on, shared_on in [("attention", "ffn"), ("ffn", "attention")]:
         t = topology(a, f, transport="loopback", gate=gate, dense_on=dense_on, shared_experts_on=shared_on)
@@ -145,4 +148,19 @@ def test_new_families_real_processes(references, transport, case, gate):
         check_cluster(cluster, model, ref_values, ref_logits, gate)
         for r in cluster.ranks:  # role-aware: the routers (and V3's selection bias) only where the gate runs
             on_rank = any(n.endswith("mlp.gate.e_score_correction_bias") or n.endswith("mlp.gate.weight") for n in r.ready.tensors)
+            assert on_rank == ((r.spec.role.name == "ATTENTION") == (gate == "attention")), r.spec.name
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("transport, case, gate, router", [("shm", "gptoss-window6", "ffn", ".mlp.router."),
+                                                           ("torch", "minimax-m2-rotary8", "attention", ".block_sparse_moe.gate.")])
+def test_2026_families_real_processes(references, transport, case, gate, router):
+    """Real processes, 2A3F async with redundant experts: the split equals the model, and the router's tensors
+    (named as the family's checkpoint names them) are read only where the gate runs."""
+    path, model, ref_values, ref_logits = references[case]
+    t = topology(2, 3, transport=transport, gate=gate, dense_on="ffn", shared_experts_on="ffn", redundant_experts=4)
+    with support.cluster(path, t, ENGINE, pipeline=PipelineConfig("async", 2, "request")) as cluster:
+        check_cluster(cluster, model, ref_values, ref_logits, gate)
+        for r in cluster.ranks:
+            on_rank = any(router in n for n in r.ready.tensors)
             assert on_rank == ((r.spec.role.name == "ATTENTION") == (gate == "attention")), r.spec.name

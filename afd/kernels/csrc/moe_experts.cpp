@@ -18,6 +18,10 @@
 //   weights    [T, k]        routing weights (float32 or x's dtype)
 //   gate_up    [E, 2I, H]    gate rows first, then up rows (x's dtype)
 //   down       [E, H, I]
+//   gate_up_bias [E, 2I], down_bias [E, H]   optional (gpt-oss): each expert's biases, the down bias added
+//              before the routing weight
+//   swiglu_limit optional (gpt-oss): the clamped activation (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g),
+//              g = min(gate, l), instead of silu(gate) * up
 //   returns    ([T, H] in x's dtype: sum over held slots of weight * expert(x), [E] int64 rows each expert took)
 
 #include <ATen/ATen.h>
@@ -31,9 +35,30 @@
 
 namespace {
 
+// What the experts compute besides their two GEMMs: biases and the activation.
+struct ExpertMath {
+  c10::optional<at::Tensor> gate_up_bias, down_bias;  // [E, 2I], [E, H]
+  c10::optional<double> limit;                         // gpt-oss's clamped SwiGLU
+  double alpha;
+};
+
+// silu(gate) * up, or gpt-oss's clamped form, over one row of I channels (gate then up in g).
+inline void activation(const float* g, float* a, int64_t inter, const ExpertMath& math) {
+  if (!math.limit) {
+    for (int64_t c = 0; c < inter; ++c) a[c] = g[c] / (1.f + std::exp(-g[c])) * g[inter + c];
+    return;
+  }
+  const float limit = static_cast<float>(*math.limit), alpha = static_cast<float>(math.alpha);
+  for (int64_t c = 0; c < inter; ++c) {
+    const float gate = std::min(g[c], limit), up = std::min(std::max(g[inter + c], -limit), limit);
+    a[c] = (up + 1.f) * gate / (1.f + std::exp(-alpha * gate));
+  }
+}
+
 // The decode path (see the top): out [T, H] float32 += weight * expert(x row) for every held (token, slot) row.
 at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
-                            const std::vector<int64_t>& count, const std::vector<int64_t>& rows, int64_t k, int64_t most) {
+                            const std::vector<int64_t>& count, const std::vector<int64_t>& rows, int64_t k, int64_t most,
+                            const ExpertMath& math) {
   const int64_t hidden = x.size(1), inter = down.size(2), num_experts = gate_up.size(0);
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
   const at::Tensor w32 = weights.to(at::kFloat).contiguous();
@@ -42,6 +67,9 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
   at::Tensor out = at::zeros({x.size(0), hidden}, x.options().dtype(at::kFloat));
   float* os = out.data_ptr<float>();
   std::vector<float> xe(most * hidden), gate_and_up(most * 2 * inter), act(most * inter), ye(most * hidden);
+  at::Tensor b1, b2;  // the biases in float32, or undefined
+  if (math.gate_up_bias) b1 = math.gate_up_bias->to(at::kFloat).contiguous();
+  if (math.down_bias) b2 = math.down_bias->to(at::kFloat).contiguous();
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t n = count[e + 1] - count[e];
     if (n == 0) continue;
@@ -49,17 +77,26 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
     for (int64_t i = 0; i < n; ++i) std::memcpy(xe.data() + i * hidden, xs + (slot_rows[i] / k) * hidden, hidden * sizeof(float));
     TORCH_CHECK(small_gemm(xe.data(), n, hidden, gate_up[e], gate_and_up.data()), "moe_experts: gate_up is not contiguous");
     for (int64_t i = 0; i < n; ++i) {
-      const float* g = gate_and_up.data() + i * 2 * inter;
-      float* a = act.data() + i * inter;
-      for (int64_t c = 0; c < inter; ++c) a[c] = g[c] / (1.f + std::exp(-g[c])) * g[inter + c];  // silu(gate) * up
+      float* g = gate_and_up.data() + i * 2 * inter;
+      if (b1.defined()) {
+        const float* b = b1.data_ptr<float>() + e * 2 * inter;
+        for (int64_t c = 0; c < 2 * inter; ++c) g[c] += b[c];
+      }
+      activation(g, act.data() + i * inter, inter, math);
     }
     TORCH_CHECK(small_gemm(act.data(), n, inter, down[e], ye.data()), "moe_experts: down is not contiguous");
+    const float* bias = b2.defined() ? b2.data_ptr<float>() + e * hidden : nullptr;
     for (int64_t i = 0; i < n; ++i) {
       const float w = ws[slot_rows[i]];
       const float* y = ye.data() + i * hidden;
       float* o = os + (slot_rows[i] / k) * hidden;
+      if (bias != nullptr) {  // the expert's bias, then its weight
 #pragma omp simd
-      for (int64_t c = 0; c < hidden; ++c) o[c] += w * y[c];
+        for (int64_t c = 0; c < hidden; ++c) o[c] += w * (y[c] + bias[c]);
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < hidden; ++c) o[c] += w * y[c];
+      }
     }
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
@@ -68,7 +105,10 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Tensor& local_ids, const at::Tensor& weights,
-                                               const at::Tensor& gate_up, const at::Tensor& down) {
+                                               const at::Tensor& gate_up, const at::Tensor& down,
+                                               const c10::optional<at::Tensor>& gate_up_bias,
+                                               const c10::optional<at::Tensor>& down_bias, c10::optional<double> swiglu_limit,
+                                               double swiglu_alpha) {
   TORCH_CHECK(x.dim() == 2 && local_ids.dim() == 2 && local_ids.size(0) == x.size(0), "x must be [T, H], local_ids [T, k]");
   TORCH_CHECK(local_ids.scalar_type() == at::kLong, "local_ids must be int64");
   TORCH_CHECK(weights.sizes() == local_ids.sizes(), "weights must be [T, k] like local_ids");
@@ -77,6 +117,13 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
   const int64_t inter = down.size(2);
   TORCH_CHECK(gate_up.size(1) == 2 * inter && gate_up.size(2) == x.size(1) && down.size(1) == x.size(1),
               "expert weights do not match: gate_up ", gate_up.sizes(), ", down ", down.sizes(), ", x ", x.sizes());
+  if (gate_up_bias)
+    TORCH_CHECK(gate_up_bias->dim() == 2 && gate_up_bias->size(0) == num_experts && gate_up_bias->size(1) == 2 * inter,
+                "gate_up_bias must be [E, 2I], got ", gate_up_bias->sizes());
+  if (down_bias)
+    TORCH_CHECK(down_bias->dim() == 2 && down_bias->size(0) == num_experts && down_bias->size(1) == x.size(1),
+                "down_bias must be [E, H], got ", down_bias->sizes());
+  const ExpertMath math{gate_up_bias, down_bias, swiglu_limit, swiglu_alpha};
   const at::Tensor ids = local_ids.contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
   std::vector<int64_t> count(num_experts + 1, 0);  // counting sort of the (token, slot) rows by expert
@@ -95,7 +142,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
   const auto dtype = x.scalar_type();
   if (small_linear_takes(dtype, most) && gate_up.scalar_type() == dtype && down.scalar_type() == dtype &&
       gate_up.is_contiguous() && down.is_contiguous())
-    return {experts_in_place(x, weights, gate_up, down, count, rows, k, most), at::tensor(per_expert, index_options)};
+    return {experts_in_place(x, weights, gate_up, down, count, rows, k, most, math), at::tensor(per_expert, index_options)};
   auto out = at::zeros({num_tokens * k, x.size(1)}, x.options());  // one row per (token, slot)
   const at::Tensor flat_weights = weights.reshape({-1});
   for (int64_t e = 0; e < num_experts; ++e) {
@@ -103,9 +150,16 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
     if (n == 0) continue;
     at::Tensor row_index = at::from_blob(rows.data() + count[e], {n}, index_options).clone();  // [n] (token, slot) rows
     at::Tensor xe = x.index_select(0, at::div(row_index, k, "floor"));  // [n, H]
-    at::Tensor gate_and_up = small_linear(xe, gate_up[e], c10::nullopt);  // [n, 2I]
-    at::Tensor act = at::silu(gate_and_up.narrow(1, 0, inter)) * gate_and_up.narrow(1, inter, inter);
-    at::Tensor ye = small_linear(act, down[e], c10::nullopt);  // [n, H]
+    const auto bias = [e](const c10::optional<at::Tensor>& b) { return b ? c10::optional<at::Tensor>((*b)[e]) : c10::nullopt; };
+    at::Tensor gate_and_up = small_linear(xe, gate_up[e], bias(gate_up_bias));  // [n, 2I]
+    at::Tensor gate = gate_and_up.narrow(1, 0, inter), up = gate_and_up.narrow(1, inter, inter), act;
+    if (swiglu_limit) {  // as afd/models/layers.py: clamped_swiglu, op for op
+      gate = gate.clamp_max(*swiglu_limit);
+      act = (up.clamp(-*swiglu_limit, *swiglu_limit) + 1) * gate * at::sigmoid(gate * swiglu_alpha);
+    } else {
+      act = at::silu(gate) * up;
+    }
+    at::Tensor ye = small_linear(act, down[e], bias(down_bias));  // [n, H], the expert's bias before its weight
     out.index_put_({row_index}, (ye * flat_weights.index_select(0, row_index).unsqueeze(1)).to(out.scalar_type()));
   }
   return {out.view({num_tokens, k, -1}).sum(1), at::tensor(per_expert, index_options)};

@@ -5,10 +5,13 @@
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
-                                  double scale, int64_t value_dim);
+                                  double scale, int64_t value_dim, int64_t window, const at::Tensor& sinks);
 
 std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Tensor& local_ids, const at::Tensor& weights,
-                                               const at::Tensor& gate_up, const at::Tensor& down);
+                                               const at::Tensor& gate_up, const at::Tensor& down,
+                                               const c10::optional<at::Tensor>& gate_up_bias,
+                                               const c10::optional<at::Tensor>& down_bias, c10::optional<double> swiglu_limit,
+                                               double swiglu_alpha);
 
 bool paged_decode_vectorized();
 
@@ -30,5 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("small_linear_vectorized") = pybind11::bool_(small_linear_vectorized());
   m.attr("small_linear_max_rows") = pybind11::int_(small_linear_max_rows());
   m.attr("small_linear_max_half_rows") = pybind11::int_(small_linear_max_half_rows());
-  m.def("moe_experts", &moe_experts, "the routed experts held here, one GEMM pair per expert (moe_experts.cpp)");
+  m.def("moe_experts", &moe_experts, "the routed experts held here, one GEMM pair per expert (moe_experts.cpp)",
+        pybind11::arg("x"), pybind11::arg("local_ids"), pybind11::arg("weights"), pybind11::arg("gate_up"), pybind11::arg("down"),
+        pybind11::arg("gate_up_bias") = pybind11::none(), pybind11::arg("down_bias") = pybind11::none(),
+        pybind11::arg("swiglu_limit") = pybind11::none(), pybind11::arg("swiglu_alpha") = 1.702);
 }

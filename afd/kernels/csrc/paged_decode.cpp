@@ -14,6 +14,10 @@
 //                                     Dv channels of the keys (MLA's absorbed form: one latent per token)
 //   block_tables [D, W] int64         each token's KV blocks, in order
 //   context_lens [D] int64            each token's context length (positions 0..len-1, its own included)
+//   window       0, or W > 0: a token sees only its context's last W positions (gpt-oss's sliding layers);
+//                                     reading starts at the block that holds the first of them
+//   sinks        [Hq] float32, or an empty tensor: one more logit per query head in the softmax, with no
+//                                     value (gpt-oss's attention sinks)
 //   returns      [D, Hq, Dv]          in q's dtype; scores, softmax and sums in float32
 // Query head h reads key head h / (Hq / Hk) (grouped heads; MLA's absorbed form is Hk = 1).
 
@@ -179,7 +183,8 @@ inline void scale_inplace(float* __restrict y, float a, int64_t n) {
 template <typename T>
 void decode_one(const T* q,             // [G, Dk]: the query heads sharing key head kh
                 const T* k_cache, const T* v_cache, int64_t hk, int64_t kh, int64_t dk, int64_t dv,
-                bool values_in_keys, const int64_t* table, int64_t length, int64_t block_size, float scale,
+                bool values_in_keys, const int64_t* table, int64_t length, int64_t first, int64_t block_size, float scale,
+                const float* sinks,     // [G] this group's sink logits, or nullptr
                 int64_t g, T* out,      // [G, Dv] (rows Hq apart are contiguous here: heads kh*G .. kh*G+G-1)
                 float* acc,             // [G, Dv] scratch
                 float* scores,          // [G, block_size] scratch
@@ -190,8 +195,9 @@ void decode_one(const T* q,             // [G, Dk]: the query heads sharing key 
   for (int64_t i = 0; i < g * dk; ++i) qf[i] = static_cast<float>(q[i]);
   std::vector<float> m(g, -std::numeric_limits<float>::infinity()), l(g, 0.f);
   std::fill(acc, acc + g * dv, 0.f);
-  for (int64_t start = 0; start < length; start += block_size) {
+  for (int64_t start = first / block_size * block_size; start < length; start += block_size) {
     const int64_t n = std::min(block_size, length - start);
+    const int64_t skip = std::max<int64_t>(0, first - start);  // the first block's rows before the window
     const int64_t base = table[start / block_size] * block_size;
     for (int64_t j = 0; j < n; ++j) {
       rows[j] = k_cache + ((base + j) * hk + kh) * dk;
@@ -203,8 +209,9 @@ void decode_one(const T* q,             // [G, Dk]: the query heads sharing key 
     score_block<T>(qf, g, dk, rows, n, scale, scores, block_size);
     for (int64_t h = 0; h < g; ++h) {
       float* s = scores + h * block_size;
+      for (int64_t j = 0; j < skip; ++j) s[j] = -std::numeric_limits<float>::infinity();
       float top = m[h];
-      for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
+      for (int64_t j = skip; j < n; ++j) top = std::max(top, s[j]);
       const float rescale = std::exp(m[h] - top);  // exp(-inf) = 0 on the first block
       l[h] *= rescale;
       if (rescale != 1.f) scale_inplace(acc + h * dv, rescale, dv);
@@ -217,6 +224,11 @@ void decode_one(const T* q,             // [G, Dk]: the query heads sharing key 
     value_block<T>(acc, g, dv, values, n, scores, block_size);
   }
   for (int64_t h = 0; h < g; ++h) {
+    if (sinks != nullptr) {  // the sink joins the softmax's sum, with no value
+      const float top = std::max(m[h], sinks[h]), rescale = std::exp(m[h] - top);
+      l[h] = l[h] * rescale + std::exp(sinks[h] - top);
+      if (rescale != 1.f) scale_inplace(acc + h * dv, rescale, dv);
+    }
     const float inv = 1.f / l[h];
     for (int64_t i = 0; i < dv; ++i) out[h * dv + i] = static_cast<T>(acc[h * dv + i] * inv);
   }
@@ -236,7 +248,8 @@ bool paged_decode_vectorized() {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                      const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                     int64_t block_size, double scale, int64_t value_dim) {
+                                     int64_t block_size, double scale, int64_t value_dim, int64_t window,
+                                     const at::Tensor& sinks) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention runs on the CPU, got q on ", q.device());
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3, "q must be [D, Hq, Dk] and k_cache [slots, Hk, Dk]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous(), "q and k_cache must be contiguous");
@@ -259,13 +272,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                     v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == hk,
                 "v_cache must be a contiguous [slots, Hk, Dv] tensor of q's dtype, beside k_cache");
   }
+  TORCH_CHECK(window >= 0, "window must be >= 0, got ", window);
+  const bool has_sinks = sinks.numel() > 0;
+  if (has_sinks)
+    TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.is_contiguous() && sinks.numel() == hq,
+                "sinks must be a contiguous float32 [Hq] tensor, Hq = ", hq);
+  const float* sp = has_sinks ? sinks.data_ptr<float>() : nullptr;
   const int64_t width = block_tables.size(1), num_blocks = k_cache.size(0) / block_size;
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   for (int64_t i = 0; i < d; ++i) {  // a bad table reads outside the cache: refuse it here, not as a crash
     TORCH_CHECK(lens[i] >= 1 && lens[i] <= width * block_size, "decode token ", i, ": context length ", lens[i],
                 " is not in [1, ", width * block_size, "]");
-    for (int64_t b = 0; b < (lens[i] + block_size - 1) / block_size; ++b) {
+    for (int64_t b = window ? std::max<int64_t>(0, lens[i] - window) / block_size : 0; b < (lens[i] + block_size - 1) / block_size; ++b) {
       const int64_t block = tables[i * width + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, "decode token ", i, ": block ", block, " is outside the cache's ", num_blocks);
     }
@@ -282,8 +301,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       std::vector<const scalar_t*> rows(block_size + kAheadRows), values(block_size);
       for (int64_t w = begin; w < end; ++w) {
         const int64_t i = w / hk, kh = w % hk;
+        const int64_t first = window ? std::max<int64_t>(0, lens[i] - window) : 0;
         decode_one<scalar_t>(qp + (i * hq + kh * g) * dk, kp, vp, hk, kh, dk, dv, values_in_keys, tables + i * width,
-                             lens[i], block_size, static_cast<float>(scale), g, op + (i * hq + kh * g) * dv, acc.data(),
+                             lens[i], first, block_size, static_cast<float>(scale), sp ? sp + kh * g : nullptr, g,
+                             op + (i * hq + kh * g) * dv, acc.data(),
                              scores.data(), qf.data(), rows.data(), values.data());
       }
     });
