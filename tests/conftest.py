@@ -78,6 +78,9 @@ def checkpoints(tmp_path_factory):
     for seed, (name, overrides) in enumerate(support.GLM_CASES.items(), start=30):
         hf = support.build_hf_model(support.glm4_moe_config(**overrides), seed=seed)
         out[name] = (support.save_checkpoint(hf, root / name), hf)
+    for seed, (name, overrides) in enumerate(support.DSA_CASES.items(), start=60):
+        hf = support.build_hf_model(support.dsa_config(**overrides), seed=seed)
+        out[name] = (support.save_checkpoint(hf, root / name), hf)
     for seed, (name, overrides) in enumerate(support.MINIMAX_CASES.items(), start=40):
         hf = support.build_hf_model(support.minimax_m2_config(**overrides), seed=seed)
         out[name] = (support.save_checkpoint(hf, root / name), hf)

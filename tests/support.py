@@ -80,6 +80,13 @@ QWEN_CASES = {
 }
 
 
+DSA_CASES = {
+    # DeepSeek-V3.2: indexer rotary in halves, 8 index heads, top-6 (shorter than the prompts), groups of 2 of 4
+    "dsv32-top6": dict(n_group=4, topk_group=2),
+    # GLM-5: interleaved indexer rotary, layers 1 and 3 reuse the top-k of the layer before them, top-5
+    "glm5-shared-top5": dict(index_topk=5, indexer_types=["full", "shared", "full", "shared"]),
+}
+
 MINIMAX_CASES = {
     # q/k norm over the whole projection, rotary on the first 8 of 16 channels, sigmoid + bias over 8 experts
     "minimax-m2-rotary8": dict(rotary_dim=8),
@@ -124,6 +131,15 @@ def glm4_moe_config(**overrides):
 
     return Glm4MoeConfig(**{**TINY, "first_k_dense_replace": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                             "n_routed_experts": 8, "n_shared_experts": 1, "norm_topk_prob": True, **overrides})
+
+
+def dsa_config(**overrides):
+    """DeepSeek-V3.2 (or GLM-5 when ``indexer_types`` is given) with DeepSeek Sparse Attention, small."""
+    from transformers import DeepseekV32Config, GlmMoeDsaConfig
+
+    cls = GlmMoeDsaConfig if "indexer_types" in overrides else DeepseekV32Config
+    return cls(**{**TINY, **TINY_MLA, "q_lora_rank": 24, "n_routed_experts": 8, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                  "index_n_heads": 8, "index_head_dim": 16, "index_topk": 6, **overrides})
 
 
 def minimax_m2_config(**overrides):

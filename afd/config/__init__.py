@@ -9,10 +9,10 @@ Nothing here imports the rest of afd. Parsing of Hugging Face ``config.json`` fi
 """
 
 from afd.config.engine import DEFAULT_FP8_MODE, FP8_MODES, MAX_LOGPROBS, CacheConfig, EngineArgs, EngineConfig, SamplingParams
-from afd.config.model import (ROPE_TYPES, SCORING_FUNCS, SUPPORTED_ACTIVATIONS, TOPK_METHODS, MLAConfig, ModelConfig, MoEConfig,
+from afd.config.model import (ROPE_TYPES, SCORING_FUNCS, SUPPORTED_ACTIVATIONS, TOPK_METHODS, DSAConfig, MLAConfig, ModelConfig, MoEConfig,
                               RopeConfig, yarn_mscale)
 from afd.config.run import FAULT_KINDS, PROTOCOL_FAULTS, CostModel, FaultPlan, PipelineConfig, Timeouts
 
-__all__ = ["CacheConfig", "CostModel", "DEFAULT_FP8_MODE", "EngineArgs", "EngineConfig", "FAULT_KINDS", "FP8_MODES", "FaultPlan",
+__all__ = ["CacheConfig", "CostModel", "DEFAULT_FP8_MODE", "DSAConfig", "EngineArgs", "EngineConfig", "FAULT_KINDS", "FP8_MODES", "FaultPlan",
            "MAX_LOGPROBS", "MLAConfig", "ModelConfig", "MoEConfig", "PROTOCOL_FAULTS", "PipelineConfig", "ROPE_TYPES", "RopeConfig",
            "SCORING_FUNCS", "SUPPORTED_ACTIVATIONS", "SamplingParams", "TOPK_METHODS", "Timeouts", "yarn_mscale"]

@@ -78,6 +78,27 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer scores every earlier position of
+    a query with ``index_heads`` small heads of ``index_head_dim`` (the first ``qk_rope_head_dim`` channels
+    rotated, ``rope_interleaved`` for GLM-5, halves for V3.2), and MLA attends only to the ``index_topk``
+    best. ``shared_layers`` (GLM-5's ``indexer_types: shared``) have no indexer: they reuse the top-k of the
+    layer before them."""
+
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    rope_interleaved: bool = False
+    shared_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("index_heads", "index_head_dim", "index_topk"):
+            _positive(name, getattr(self, name))
+        if 0 in self.shared_layers:
+            raise ValueError("layer 0 cannot share the top-k of a layer before it (indexer_types[0] must be 'full')")
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """Routed experts, shared experts and the router of the MoE layers.
 
@@ -171,6 +192,7 @@ class ModelConfig:
     attention_sinks: bool = False  # gpt-oss: a learned logit per head joins every softmax (no value)
     sliding_window: int | None = None  # W: a sliding layer's query at i sees keys i-W+1..i
     sliding_layers: tuple[int, ...] = ()  # the layers that attend over the window only
+    dsa: DSAConfig | None = None  # DeepSeek Sparse Attention over the MLA cache (DeepSeek-V3.2, GLM-5)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"):
@@ -182,6 +204,11 @@ class ModelConfig:
         bad = [i for i in self.moe.layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"MoE layer indices {bad} outside [0, {self.num_layers})")
+        if self.dsa is not None:
+            if self.mla is None or self.mla.q_lora_rank is None:
+                raise ValueError("DeepSeek Sparse Attention needs MLA with q_lora_rank (its indexer reads the q latent)")
+            if self.dsa.index_head_dim < self.mla.qk_rope_head_dim:
+                raise ValueError(f"index_head_dim {self.dsa.index_head_dim} < qk_rope_head_dim {self.mla.qk_rope_head_dim}")
         if self.qk_norm_span not in ("head", "all"):
             raise ValueError(f"qk_norm_span must be 'head' or 'all', got {self.qk_norm_span!r}")
         if self.sliding_layers:

@@ -7,8 +7,8 @@ micro-batch up front and running them in any order gives the same result.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 
@@ -93,6 +93,8 @@ class AttentionMetadata:
     prefills      the chunks of more than one token, each with its context's slots
     windowed      (W, the decode pages of the last W positions of each context) for each sliding window
                   the model has (gpt-oss): a sliding layer's decode reads O(W) positions, not O(context)
+    layer_state   what one layer of this batch's forward leaves for a later one (GLM-5's shared top-k:
+                  afd/models/sparse_attention.py), owned by the batch like the rest
     """
 
     positions: torch.Tensor
@@ -101,6 +103,7 @@ class AttentionMetadata:
     decode: DecodePages | None
     prefills: tuple[PrefillChunk, ...]
     windowed: tuple[tuple[int, DecodePages], ...] = ()
+    layer_state: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def decode_pages(self, window: int = 0) -> DecodePages | None:
         """The decode pages a layer of this attention window reads (0: the whole context)."""

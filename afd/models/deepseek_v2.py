@@ -7,6 +7,9 @@ so keys and values are never decompressed per cached token. A prefill chunk
 takes whichever form costs fewer multiply-adds (:meth:`MLAttention._absorbed_is_cheaper`):
 a long one decompresses its context's keys and values once and attends at head
 dimension dn + dr instead of R + dr, as vLLM and SGLang do.
+
+DeepSeek-V3.2 and GLM-5 add DeepSeek Sparse Attention (:mod:`afd.models.sparse_attention`): each query
+attends only to the positions its layer's indexer selects; the absorbed decode reads just those.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from afd.kvcache import AttentionMetadata
 from afd.models.base import MoEModel
 from afd.models.layers import Linear, RMSNorm, RotaryEmbedding
 from afd.models.paged_attention import decode_attention, gather, prefill_attention
+from afd.models.sparse_attention import STATE_KEY, Indexer, Selection
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         mla = config.mla
         assert mla is not None
@@ -40,6 +44,10 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(mla.kv_lora_rank, nh * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.o_proj = Linear(nh * mla.v_head_dim, h, bias=bias)
         self.scale = mla.qk_head_dim**-0.5 * config.rope.softmax_scale_multiplier()
+        dsa = config.dsa
+        self.sparse = dsa is not None  # DeepSeek Sparse Attention: attend to the indexer's selection
+        if dsa is not None and layer not in dsa.shared_layers:
+            self.indexer = Indexer(config)  # shared layers (GLM-5) have none: they reuse the previous selection
 
     def forward(
         self,
@@ -52,38 +60,59 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         mla, nh = self.mla, self.num_heads
         t = x.shape[0]
-        q = self.q_proj(x) if mla.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_latent = None if mla.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_proj(x) if q_latent is None else self.q_b_proj(q_latent)
         q_nope, q_pe = q.view(t, nh, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, R]
         q_pe = rope.apply(q_pe, cos, sin)  # [T, nh, dr]
         k_pe = rope.apply(k_pe[:, None, :], cos, sin)[:, 0]  # [T, dr]
 
-        (cache,) = kv  # [slots, R + dr]: the latent and the rotated shared key of every cached token
+        cache = kv[0]  # [slots, R + dr]: the latent and the rotated shared key of every cached token
         cache.index_copy_(0, meta.slot_mapping, torch.cat((latent, k_pe), dim=-1).to(cache.dtype))
+        selection = self._select(x, q_latent, rope, cos, sin, kv, meta) if self.sparse else None
         w_kv_b = self.kv_b_proj.weight.view(nh, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         w_uk, w_uv = w_kv_b.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)  # [nh, dn, R], [nh, dv, R]
         out = x.new_empty(t, nh, mla.v_head_dim)  # [T, nh, dv]
         if meta.decode is not None:  # absorbed: one latent key and value shared by every head
             rows = meta.decode.rows
+            pages = meta.decode if selection is None else selection.decode  # sparse: the selected slots only
             # per head: q_nope W_UK, as one bmm over heads (an einsum adds permuted copies: ~40 % slower here)
             query = torch.cat((torch.bmm(q_nope[rows].transpose(0, 1), w_uk), q_pe[rows].transpose(0, 1)), dim=-1)  # [nh, D, R + dr]
-            out_latent = decode_attention(query.transpose(0, 1), cache[:, None, :], None, meta.decode, self.scale, mla.kv_lora_rank)  # [D, nh, R]
+            out_latent = decode_attention(query.transpose(0, 1), cache[:, None, :], None, pages, self.scale, mla.kv_lora_rank)  # [D, nh, R]
             out[rows] = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).to(out.dtype)  # [D, nh, dv]
-        for chunk in meta.prefills:
+        for n, chunk in enumerate(meta.prefills):
             rows = slice(chunk.row, chunk.row + chunk.length)
             ctx = gather(cache, chunk.slots)  # [L, R + dr]
+            mask = None if selection is None else selection.prefill[n]
             if self._absorbed_is_cheaper(chunk.length, ctx.shape[0]):
                 query = torch.cat((torch.einsum("thd,hdr->thr", q_nope[rows], w_uk), q_pe[rows]), dim=-1)  # [q, nh, R + dr]
-                out_latent = prefill_attention(query, ctx[:, None, :], ctx[:, None, : mla.kv_lora_rank], chunk.start, self.scale)
+                out_latent = prefill_attention(query, ctx[:, None, :], ctx[:, None, : mla.kv_lora_rank], chunk.start, self.scale,
+                                               mask=mask)
                 out[rows] = torch.einsum("thr,hvr->thv", out_latent, w_uv).to(out.dtype)
             else:  # decompress the context's keys and values once, attend per head at head dim dn + dr
                 k_nope, value = self.kv_b_proj(ctx[:, : mla.kv_lora_rank]).view(-1, nh, mla.qk_nope_head_dim + mla.v_head_dim).split(
                     [mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)  # [L, nh, dn], [L, nh, dv]
                 key = torch.cat((k_nope, ctx[:, None, mla.kv_lora_rank :].expand(-1, nh, -1)), dim=-1)  # [L, nh, dn + dr]
                 query = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)  # [q, nh, dn + dr]
-                out[rows] = prefill_attention(query, key, value, chunk.start, self.scale).to(out.dtype)
+                out[rows] = prefill_attention(query, key, value, chunk.start, self.scale, mask=mask).to(out.dtype)
         return self.o_proj(out.reshape(t, nh * mla.v_head_dim))
+
+    def _select(self, x: torch.Tensor, q_latent: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
+                kv: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> Selection:
+        """This layer's sparse selection: its indexer's (after caching this step's index keys), or, for a
+        GLM-5 shared layer, the one the layer before it left on the step's metadata."""
+        indexer = getattr(self, "indexer", None)
+        if indexer is None:
+            selection = meta.layer_state.get(STATE_KEY)
+            if selection is None:
+                raise RuntimeError("a shared DSA layer ran before any indexer layer of its step")
+            return selection
+        index_cache = kv[1]  # [slots, index_head_dim], at the latents' slots
+        index_cache.index_copy_(0, meta.slot_mapping, indexer.keys(x, rope, cos, sin).to(index_cache.dtype))
+        selection = indexer.select(x, q_latent, rope, cos, sin, index_cache, meta)
+        meta.layer_state[STATE_KEY] = selection
+        return selection
 
     def _absorbed_is_cheaper(self, q: int, length: int) -> bool:
         """Multiply-adds of one chunk: absorbed, every (query, key) pair costs R + dr (scores) and R
@@ -98,13 +127,20 @@ class MLAttention(nn.Module):
 
 class DeepseekV2Model(MoEModel):
     def make_attention(self, layer: int) -> nn.Module:
-        return MLAttention(self.config)
+        return MLAttention(self.config, layer)
 
     def kv_layout(self) -> tuple[tuple[int, ...], ...]:
-        mla = self.config.mla
-        return ((mla.kv_lora_rank + mla.qk_rope_head_dim,),)
+        """The latent and rotated shared key; with DeepSeek Sparse Attention, the index key beside it."""
+        mla, dsa = self.config.mla, self.config.dsa
+        latent = (mla.kv_lora_rank + mla.qk_rope_head_dim,)
+        return (latent,) if dsa is None else (latent, (dsa.index_head_dim,))
 
 
 class DeepseekV3Model(DeepseekV2Model):
     """DeepSeek-V3 family (V3, R1, Kimi-K2): V2's MLA with q_lora; what differs lives in the config --
     sigmoid routing with ``e_score_correction_bias`` (noaux_tc), ``rope_interleave``, MTP layers skipped."""
+
+
+class DeepseekV32Model(DeepseekV3Model):
+    """DeepSeek-V3.2 and GLM-5 (``glm_moe_dsa``): V3's MLA and MoE with DeepSeek Sparse Attention; what
+    differs between the two (the indexer's rotary layout, shared layers, head counts) lives in ``config.dsa``."""

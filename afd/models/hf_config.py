@@ -13,7 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from afd.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
+from dataclasses import replace
+
+from afd.config import DSAConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -23,6 +25,8 @@ class UnsupportedArchitectureError(ValueError):
 ARCHITECTURES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi-K2 ships V3's architecture under its own model_type
     "glm4_moe": "Glm4MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -53,6 +57,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         )
     if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2"):
         return _parse_deepseek(raw, v3=model_type != "deepseek_v2")
+    if model_type in ("deepseek_v32", "glm_moe_dsa"):
+        return _parse_dsa(raw, glm=model_type == "glm_moe_dsa")
     if model_type == "glm4_moe":
         return _parse_glm4_moe(raw)
     if model_type == "minimax_m2":
@@ -149,6 +155,8 @@ def _parse_deepseek(raw: dict[str, Any], v3: bool) -> ModelConfig:
     first_dense = raw.get("first_k_dense_replace", 0)
     freq = raw.get("moe_layer_freq", 1)
     moe_layers = tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0)
+    if raw.get("mlp_layer_types"):  # transformers 5's spelling for V3.2 and GLM-5: "dense" or "sparse" per layer
+        moe_layers = tuple(i for i, kind in enumerate(raw["mlp_layer_types"]) if kind == "sparse")
     mla = MLAConfig(
         q_lora_rank=raw.get("q_lora_rank"),
         kv_lora_rank=raw["kv_lora_rank"],
@@ -170,6 +178,20 @@ def _parse_deepseek(raw: dict[str, Any], v3: bool) -> ModelConfig:
         mla=mla,
         num_mtp_layers=_mtp_layers(raw) if v3 else 0,
     )
+
+
+def _parse_dsa(raw: dict[str, Any], glm: bool) -> ModelConfig:
+    """DeepSeek-V3.2 and GLM-5: V3's MLA and MoE plus DeepSeek Sparse Attention. GLM-5 rotates its indexer's
+    keys in pairs (V3.2: halves), may mark layers ``indexer_types: shared``, and defaults to 32 index heads."""
+    family = "GLM-5" if glm else "DeepSeek-V3.2"
+    base = _parse_deepseek(raw, v3=True)
+    types = raw.get("indexer_types") or ["full"] * base.num_layers
+    if len(types) != base.num_layers or set(types) - {"full", "shared"}:
+        raise UnsupportedArchitectureError(f"{family} indexer_types must be 'full' or 'shared' for each of {base.num_layers} layers; got {types}")
+    dsa = DSAConfig(index_heads=int(raw.get("index_n_heads", 32 if glm else 64)), index_head_dim=int(raw.get("index_head_dim", 128)),
+                    index_topk=int(raw.get("index_topk", 2048)), rope_interleaved=glm,
+                    shared_layers=tuple(i for i, t in enumerate(types) if t == "shared"))
+    return replace(base, architecture="GlmMoeDsaForCausalLM" if glm else "DeepseekV32ForCausalLM", dsa=dsa)
 
 
 def _parse_qwen3_moe(raw: dict[str, Any]) -> ModelConfig:

@@ -91,22 +91,25 @@ class RotaryEmbedding:
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool | None = None) -> torch.Tensor:
         """x [T, heads, d] -> rotated x, computed in fp32, returned in x's dtype. With partial rotary
-        (GLM: rope dim < d) only the first rope-dim channels rotate; the rest pass through."""
+        (GLM: rope dim < d) only the first rope-dim channels rotate; the rest pass through. ``interleaved``
+        overrides the model's layout (DeepSeek-V3.2's indexer rotates halves where its MLA rotates pairs)."""
+        interleaved = self.interleaved if interleaved is None else interleaved
         rot = 2 * cos.shape[-1]
         if x.shape[-1] > rot:
-            return torch.cat((self.apply(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+            return torch.cat((self.apply(x[..., :rot], cos, sin, interleaved), x[..., rot:]), dim=-1)
         kernels = native_ops() if x.device.type == "cpu" else None
         if kernels is not None:  # one pass instead of ~12 ops (afd/kernels/csrc/norm_rope.cpp)
-            return kernels.rotary(x.contiguous(), cos.contiguous(), sin.contiguous(), self.interleaved)
-        return self.reference(x, cos, sin)
+            return kernels.rotary(x.contiguous(), cos.contiguous(), sin.contiguous(), interleaved)
+        return self.reference(x, cos, sin, interleaved)
 
-    def reference(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool | None = None) -> torch.Tensor:
         """:meth:`apply` in torch ops, for x whose every channel rotates."""
+        interleaved = self.interleaved if interleaved is None else interleaved
         x32 = x.float()
         c, s = cos[:, None, :], sin[:, None, :]
-        if self.interleaved:  # pairs (x0, x1), (x2, x3), ... as complex numbers
+        if interleaved:  # pairs (x0, x1), (x2, x3), ... as complex numbers
             x0, x1 = x32[..., 0::2], x32[..., 1::2]
             out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
         else:  # halves: rotate_half convention

@@ -132,11 +132,13 @@ def window_start(start: int, window: int) -> int:
 
 
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,
-                      window: int = 0, sinks: torch.Tensor | None = None, first: int = 0) -> torch.Tensor:
+                      window: int = 0, sinks: torch.Tensor | None = None, first: int = 0,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's chunk: q [q, Hq, Dk] at positions start..start+q-1; keys [L, Hk, Dk] and values
     [L, Hk, Dv] of positions first..first+L-1 (first: 0, or :func:`window_start` where a window lets the
-    chunk skip the keys before it). A query at i sees keys up to i, and with a window only those > i - window.
-    sinks [Hq] or None. -> [q, Hq, Dv]."""
+    chunk skip the keys before it). A query at i sees keys up to i, and with a window only those > i - window;
+    ``mask`` [q, L] (DeepSeek Sparse Attention's selection) narrows that further. sinks [Hq] or None.
+    -> [q, Hq, Dv]."""
     length, hq = q.shape[0], q.shape[1]
     total, hk = keys.shape[0], keys.shape[1]
     rows = max(1, WORKSPACE_BYTES // (hq * total * 4 * 2))  # a tile's fp32 scores and probabilities
@@ -150,6 +152,8 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         visible = j[None, :] <= i  # [r, L] causal with the offset
         if window:
             visible &= j[None, :] > i - window
+        if mask is not None:
+            visible &= mask[a:b]
         query = q[a:b].transpose(0, 1)  # [Hq, r, Dk]
         if sinks is not None:
             outs.append(_attend_with_sinks(query, key, value, visible, scale, sinks).transpose(0, 1))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from afd.models.base import MoEModel
-from afd.models.deepseek_v2 import DeepseekV2Model, DeepseekV3Model
+from afd.models.deepseek_v2 import DeepseekV2Model, DeepseekV3Model, DeepseekV32Model
 from afd.models.glm4_moe import Glm4MoeModel
 from afd.models.gpt_oss import GptOssModel
 from afd.models.minimax_m2 import MiniMaxM2Model
@@ -12,6 +12,8 @@ from afd.models.qwen3_moe import Qwen3MoeModel
 MODEL_CLASSES: dict[str, type[MoEModel]] = {
     "DeepseekV2ForCausalLM": DeepseekV2Model,
     "DeepseekV3ForCausalLM": DeepseekV3Model,
+    "DeepseekV32ForCausalLM": DeepseekV32Model,
+    "GlmMoeDsaForCausalLM": DeepseekV32Model,
     "Glm4MoeForCausalLM": Glm4MoeModel,
     "Qwen3MoeForCausalLM": Qwen3MoeModel,
     "MiniMaxM2ForCausalLM": MiniMaxM2Model,

@@ -26,8 +26,9 @@ TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (3, 2), (2, 3)]
 PROMPTS = [[0, 17, 44, 9, 120, 301, 5, 77, 8, 250, 3, 12, 99], [0, 200, 13, 7, 2], [0, 5, 6, 7, 8, 9, 10, 11, 12]]
 ENGINE = EngineArgs(dtype="float32", kv_cache_memory=16 << 20, block_size=4)
 NEW_FAMILIES = ("dsv3-grouped-yarn", "glm4-qknorm-bias")  # DeepSeek-V3 (sigmoid + bias routing, MTP skipped), GLM-4.5
-#: MiniMax-M2 (whole-projection q/k norm) and gpt-oss (sinks, sliding windows, biased experts, stacked checkpoint)
-FAMILIES_2026 = ("minimax-m2-rotary8", "gptoss-window6")
+#: MiniMax-M2 (whole-projection q/k norm), gpt-oss (sinks, sliding windows, biased experts, stacked checkpoint),
+#: DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention; GLM-5 with shared layers)
+FAMILIES_2026 = ("minimax-m2-rotary8", "gptoss-window6", "dsv32-top6", "glm5-shared-top5")
 
 
 def topology(a, f, **kw):
@@ -153,7 +154,8 @@ def test_new_families_real_processes(references, transport, case, gate):
 
 @pytest.mark.procs
 @pytest.mark.parametrize("transport, case, gate, router", [("shm", "gptoss-window6", "ffn", ".mlp.router."),
-                                                           ("torch", "minimax-m2-rotary8", "attention", ".block_sparse_moe.gate.")])
+                                                           ("torch", "minimax-m2-rotary8", "attention", ".block_sparse_moe.gate."),
+                                                           ("shm", "glm5-shared-top5", "ffn", ".mlp.gate.")])
 def test_2026_families_real_processes(references, transport, case, gate, router):
     """Real processes, 2A3F async with redundant experts: the split equals the model, and the router's tensors
     (named as the family's checkpoint names them) are read only where the gate runs."""
@@ -164,3 +166,5 @@ def test_2026_families_real_processes(references, transport, case, gate, router)
         for r in cluster.ranks:
             on_rank = any(router in n for n in r.ready.tensors)
             assert on_rank == ((r.spec.role.name == "ATTENTION") == (gate == "attention")), r.spec.name
+            if r.spec.role.name == "FFN":  # the indexer runs on the attention side: none of it crosses
+                assert not any(".indexer." in n for n in r.ready.tensors), r.spec.name

@@ -1,0 +1,146 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer picks, for each query, the
+``index_topk`` earlier positions MLA attends to; as transformers computes it, with no Hadamard transform and
+the index keys in the compute dtype (the release's fp8 index keys are out of scope).
+
+For a query t and an earlier position j::
+
+    q_h = wq_b(q latent)_h  (index_heads heads of index_head_dim; the first qk_rope_head_dim channels rotated)
+    k_j = LayerNorm(wk(x_j))  (one key per token, rotated alike)
+    score(t, j) = sum_h  weights_proj(x_t)_h * index_heads^-1/2 * relu(index_head_dim^-1/2 * q_h . k_j)
+
+and the top ``index_topk`` scores among positions 0..t (all of them when fewer) are the keys MLA sees.
+
+Where things live:
+
+* **the index keys** are the layer's second cache tensor ``[slots, index_head_dim]`` beside the MLA latents
+  (:meth:`DeepseekV32Model.kv_layout`): written at the same slots, counted in the block's bytes, shared by the
+  prefix cache with the latents.
+* **the indexer** runs on the attention side, inside the attention half: nothing new crosses the connector.
+* **the selection** (:class:`Selection`): for decode tokens, the selected cache slots as a block table of
+  blocks of one slot, which the paged decode kernel (afd/kernels) reads in place like any other table, so
+  the attention is O(top-k); for a prefill chunk, a boolean mask over its context.
+* **GLM-5's shared layers** reuse the selection of the layer before them, kept on the step's metadata
+  (``AttentionMetadata.layer_state``).
+
+The scoring here is torch (decode: a batched pass over the context's pages, as the reference decode
+attention reads them); it is O(context) per query, the attention O(top-k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from afd.config import ModelConfig
+from afd.kvcache import AttentionMetadata, DecodePages
+from afd.models.layers import Linear, RotaryEmbedding
+from afd.models.paged_attention import gather, gather_blocks
+
+STATE_KEY = "dsa_selection"  # AttentionMetadata.layer_state: the last indexer layer's Selection
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The keys each query of a step attends to.
+
+    decode   the decode tokens' selected slots as pages of one-slot blocks (``block_size`` 1): block_tables
+             [D, k] (valid slots first), context_lens [D] how many are valid
+    prefill  per prefill chunk of the step, in order: [q, L] True where query i may attend context position j
+    """
+
+    decode: DecodePages | None
+    prefill: tuple[torch.Tensor, ...]
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of one layer (checkpoint names ``self_attn.indexer.*``)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        dsa, mla = config.dsa, config.mla
+        assert dsa is not None and mla is not None and mla.q_lora_rank is not None
+        self.dsa = dsa
+        self.rope_dim = mla.qk_rope_head_dim
+        self.wq_b = Linear(mla.q_lora_rank, dsa.index_heads * dsa.index_head_dim, bias=False)
+        self.wk = Linear(config.hidden_size, dsa.index_head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(dsa.index_head_dim, eps=1e-6)
+        self.weights_proj = Linear(config.hidden_size, dsa.index_heads, bias=False)
+
+    def _rotate(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rope.apply(x, cos, sin, interleaved=self.dsa.rope_interleaved)  # the first rope_dim channels
+
+    def keys(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (the attention input) -> the tokens' index keys [T, index_head_dim], to cache."""
+        return self._rotate(self.k_norm(self.wk(x))[:, None, :], rope, cos, sin)[:, 0]
+
+    def queries(self, x: torch.Tensor, q_latent: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (queries [T, heads, index_head_dim] float32, head weights [T, heads] float32 with
+        index_heads^-1/2 and index_head_dim^-1/2 folded in: relu commutes with a positive scale)."""
+        dsa = self.dsa
+        q = self._rotate(self.wq_b(q_latent).view(-1, dsa.index_heads, dsa.index_head_dim), rope, cos, sin).float()
+        weights = self.weights_proj(x).float() * (dsa.index_heads**-0.5 * dsa.index_head_dim**-0.5)
+        return q, weights
+
+    def select(self, x: torch.Tensor, q_latent: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
+               index_cache: torch.Tensor, meta: AttentionMetadata) -> Selection:
+        """The top-k keys of every query of the step, read from the cached index keys (this step's included)."""
+        q, weights = self.queries(x, q_latent, rope, cos, sin)
+        topk = self.dsa.index_topk
+        decode = None
+        if meta.decode is not None:
+            rows = meta.decode.rows
+            decode = decode_topk(q[rows], weights[rows], index_cache, meta.decode, topk)
+        masks = []
+        for chunk in meta.prefills:
+            rows = slice(chunk.row, chunk.row + chunk.length)
+            scores = index_scores(q[rows], weights[rows], gather(index_cache, chunk.slots).float())  # [q, L]
+            masks.append(topk_mask(scores, chunk.start, topk))
+        return Selection(decode, tuple(masks))
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [*, heads, d], weights [*, heads], keys [*, L, d] or [L, d] -> [*, L]: sum_h w_h relu(q_h . k)."""
+    scores = torch.relu(torch.matmul(q, keys.transpose(-1, -2)))  # [*, heads, L]
+    return torch.matmul(weights[..., None, :], scores)[..., 0, :]
+
+
+def topk_mask(scores: torch.Tensor, start: int, topk: int) -> torch.Tensor:
+    """A prefill chunk's selection: scores [q, L] of queries at start.. over positions 0..L-1 -> [q, L] bool,
+    True at each query's top-k among its causal positions (every causal position when it has fewer)."""
+    length, total = scores.shape
+    causal = torch.arange(total, device=scores.device)[None, :] <= start + torch.arange(length, device=scores.device)[:, None]
+    if topk >= total:
+        return causal
+    picked = scores.masked_fill(~causal, float("-inf")).topk(topk, dim=-1).indices
+    return torch.zeros_like(causal).scatter_(1, picked, True) & causal
+
+
+def decode_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, pages: DecodePages, topk: int) -> DecodePages:
+    """Decode tokens' selection: each token's context scored page by page (as the reference decode attention
+    reads it), its top-k slots returned as pages of one-slot blocks that decode attention reads in place."""
+    num = q.shape[0]
+    keys = gather_blocks(index_cache, pages.page_blocks, pages.block_size).float()  # [P, N, d]
+    scores = index_scores(q[pages.page_row], weights[pages.page_row], keys)  # [P, N]
+    scores = scores.masked_fill(~pages.page_valid, float("-inf"))
+    # each token's pages side by side: page p is the ordinal-th page of its token (pages are listed token by token)
+    counts = torch.bincount(pages.page_row, minlength=num)
+    first = torch.cumsum(counts, 0) - counts
+    ordinal = torch.arange(pages.page_row.shape[0], device=q.device) - first[pages.page_row]
+    n = pages.page_slots.shape[1]
+    width = int(counts.max()) * n
+    flat_scores = torch.full((num, width), float("-inf"), device=q.device)
+    flat_slots = torch.zeros((num, width), dtype=torch.long, device=q.device)
+    column = ordinal[:, None] * n + torch.arange(n, device=q.device)[None, :]
+    flat_scores[pages.page_row[:, None], column] = scores
+    flat_slots[pages.page_row[:, None], column] = pages.page_slots
+    k = min(topk, width)
+    best = flat_scores.topk(k, dim=-1)  # valid (finite) scores first
+    slots = flat_slots.gather(1, best.indices)
+    lens = torch.isfinite(best.values).sum(1)
+    slots = slots.masked_fill(~torch.isfinite(best.values), 0)
+    valid = torch.arange(k, device=q.device)[None, :] < lens[:, None]
+    return DecodePages(rows=pages.rows, page_row=torch.arange(num, device=q.device), page_slots=slots, page_valid=valid,
+                       page_blocks=slots, block_tables=slots.contiguous(), context_lens=lens, block_size=1)
