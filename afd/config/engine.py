@@ -13,14 +13,19 @@ DEFAULT_FP8_MODE = "dequantize"  # faster decode at batch 8 on the synthetic V3 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots per layer."""
+    """Paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots per layer; a model with sliding
+    windows (gpt-oss) may give its sliding layers a pool of ``num_window_blocks`` of their own (0: none,
+    they share the full pool)."""
 
     block_size: int = 16
     num_blocks: int = 256
+    num_window_blocks: int = 0
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
         _positive("num_blocks", self.num_blocks)
+        if self.num_window_blocks < 0:
+            raise ValueError(f"num_window_blocks must be >= 0, got {self.num_window_blocks}")
 
 
 MAX_LOGPROBS = 20

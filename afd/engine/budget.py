@@ -87,28 +87,66 @@ class StepBudget:
         return int(min(self.bytes_for(8192), max(self.bytes_for(512), kv_cache_memory)))
 
 
+def kv_layer_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """One token's KV cache entry in one layer (MLA: the latent and the shared key, with DeepSeek Sparse
+    Attention the index key too; GQA: k and v): what the models' ``kv_layout`` holds."""
+    if config.mla is not None:
+        per_layer = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim + (config.dsa.index_head_dim if config.dsa else 0)
+    else:
+        per_layer = 2 * config.num_kv_heads * config.head_dim
+    return per_layer * torch.empty((), dtype=dtype).element_size()
+
+
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """One token's KV cache entries over every layer (MLA: the latent and the shared key; GQA: k and v)."""
-    per_layer = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim if config.mla is not None else 2 * config.num_kv_heads * config.head_dim
-    return per_layer * config.num_layers * torch.empty((), dtype=dtype).element_size()
+    """One token's KV cache entries over every layer."""
+    return kv_layer_bytes(config, dtype) * config.num_layers
+
+
+def window_pool_blocks(config: ModelConfig, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                       max_model_len: int) -> int:
+    """Blocks of a sliding-window pool that hold every sequence at once, or 0 where a pool does not pay (no
+    sliding layers, or a window as long as the context). A sequence computing n tokens from ``start`` holds
+    the blocks of positions start-W+1 .. start+n-1: at most ceil((W-1)/b) + ceil(n/b) + 1 blocks; over a step's
+    sequences, S (ceil((W-1)/b) + 2) + ceil(T/b)."""
+    if not config.sliding_layers:
+        return 0
+    per_seq = -(-(config.sliding_window - 1) // block_size) + 2
+    if per_seq >= -(-max_model_len // block_size):
+        return 0
+    return max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size)
+
+
+def kv_pools(config: ModelConfig, dtype: torch.dtype, kv_cache_memory: int, block_size: int, window_blocks: int) -> int:
+    """Full-pool blocks of a KV cache of ``kv_cache_memory`` bytes once a window pool of ``window_blocks``
+    (its sliding layers' share) is taken out."""
+    layer_block = kv_layer_bytes(config, dtype) * block_size
+    windowed = len(config.sliding_layers) if window_blocks else 0
+    rest = kv_cache_memory - window_blocks * layer_block * windowed
+    num_blocks = rest // (layer_block * (config.num_layers - windowed)) if rest > 0 else 0
+    if num_blocks < 1:
+        raise ValueError(f"kv cache memory {kv_cache_memory} B holds no block of {layer_block * config.num_layers} B "
+                         f"(a sliding-window pool takes {window_blocks * layer_block * windowed} B); raise --kv-cache-memory")
+    return int(num_blocks)
 
 
 @dataclass(frozen=True)
 class EngineLimits:
     """What one engine (a monolithic engine, or an attention rank) may hold, resolved once at start."""
 
-    num_blocks: int  # KV cache blocks
+    num_blocks: int  # KV cache blocks (of the full-attention layers where there is a window pool)
     max_model_len: int  # capped to what the KV cache holds, when it holds less than the model's context
     max_num_batched_tokens: int
     max_step_memory: int
     budget: StepBudget
     model_max_len: int  # the model's own context (for the log line when capped)
+    num_window_blocks: int = 0  # the sliding layers' own pool (gpt-oss), 0: none
 
     def describe(self) -> str:
         capped = f" (capped from the model's {self.model_max_len}: the KV cache holds no more)" if self.max_model_len < self.model_max_len else ""
+        window = f" + {self.num_window_blocks} sliding-window blocks" if self.num_window_blocks else ""
         return (f"max_model_len {self.max_model_len}{capped}; step memory {self.max_step_memory >> 20} MiB -> "
                 f"max_num_batched_tokens {self.max_num_batched_tokens} ({self.budget.per_token / 1024:.1f} KiB per token, "
-                f"{self.budget.fixed >> 20} MiB fixed); KV cache {self.num_blocks} blocks")
+                f"{self.budget.fixed >> 20} MiB fixed); KV cache {self.num_blocks} blocks{window}")
 
 
 def engine_limits(config: ModelConfig, dtype: torch.dtype, kv_cache_memory: int, block_size: int, max_num_seqs: int,
@@ -116,16 +154,21 @@ def engine_limits(config: ModelConfig, dtype: torch.dtype, kv_cache_memory: int,
                   max_num_batched_tokens: int | None = None) -> EngineLimits:
     """The KV blocks, context and step budget of an engine from its flags. A context longer than the KV
     cache holds is capped to it (and said, by :meth:`EngineLimits.describe`); a missing step memory or
-    token cap derives from the other, the step memory by default from the KV size."""
-    per_block = kv_bytes_per_token(config, dtype) * block_size
-    num_blocks = kv_cache_memory // per_block
-    if num_blocks < 1:
-        raise ValueError(f"kv cache memory {kv_cache_memory} B holds no block of {per_block} B; raise --kv-cache-memory")
+    token cap derives from the other, the step memory by default from the KV size. A model with sliding
+    windows gets a pool for its sliding layers sized for every sequence at once (:func:`window_pool_blocks`);
+    the full layers take the rest, and the context is what they hold."""
+    num_blocks = kv_pools(config, dtype, kv_cache_memory, block_size, 0)
     if max_model_len is not None and max_model_len > config.max_position_embeddings:
         raise ValueError(f"--max-model-len {max_model_len} is beyond the model's context of {config.max_position_embeddings} tokens")
-    length = min(max_model_len or config.max_position_embeddings, num_blocks * block_size)
+    wanted = max_model_len or config.max_position_embeddings
+    length = min(wanted, num_blocks * block_size)
     budget, memory, tokens = resolve(config, dtype, length, max_num_seqs, kv_cache_memory, max_step_memory, max_num_batched_tokens)
-    return EngineLimits(int(num_blocks), length, tokens, memory, budget, config.max_position_embeddings)
+    window_blocks = window_pool_blocks(config, block_size, max_num_seqs, tokens, wanted)
+    if window_blocks:  # the full layers hold the context; a longer one fits only fewer tokens per step
+        num_blocks = kv_pools(config, dtype, kv_cache_memory, block_size, window_blocks)
+        length = min(wanted, num_blocks * block_size)
+        budget, memory, tokens = resolve(config, dtype, length, max_num_seqs, kv_cache_memory, max_step_memory, max_num_batched_tokens)
+    return EngineLimits(int(num_blocks), length, tokens, memory, budget, config.max_position_embeddings, window_blocks)
 
 
 def resolve(config: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_seqs: int, kv_cache_memory: int,

@@ -15,25 +15,30 @@ from tqdm import tqdm
 from afd.config import CacheConfig, EngineArgs, EngineConfig, SamplingParams
 from afd.engine.detokenizer import OutputText
 from afd.engine.request import Request, RequestOutput, Status, TokenDelta
-from afd.engine.budget import engine_limits
+from afd.engine.budget import engine_limits, kv_layer_bytes, kv_pools, window_pool_blocks
 from afd.engine.model_runner import ModelRunner, Runner
 from afd.engine.sampling import PROMPT_LOGITS_BYTES, PenaltyState, PositionLogprobs, logprobs_of, make_generator, sample
 from afd.engine.scheduler import Scheduler
 from afd.engine.tokenizer import Tokenizer
-from afd.kvcache import BlockManager, PagedKVCache
+from afd.kvcache import PagedKVCache, make_blocks
 from afd.models import WeightSelection, load_model
 from afd.models.base import MoEModel
 
 log = logging.getLogger(__name__)
 
 
-def cache_config_for(model: MoEModel, kv_cache_memory: int, block_size: int, dtype: torch.dtype) -> CacheConfig:
+def cache_config_for(model: MoEModel, kv_cache_memory: int, block_size: int, dtype: torch.dtype, max_num_seqs: int = 0,
+                     max_num_batched_tokens: int = 0, max_model_len: int | None = None) -> CacheConfig:
+    """The cache of ``kv_cache_memory`` bytes; with the step's limits given, a model with sliding windows
+    gets its window pool (:func:`afd.engine.budget.window_pool_blocks`), as :func:`engine_limits` sizes it."""
+    config = model.config
+    window = window_pool_blocks(config, block_size, max_num_seqs, max_num_batched_tokens,
+                                max_model_len or config.max_position_embeddings) if max_num_seqs else 0
     probe = CacheConfig(block_size=block_size, num_blocks=1)
-    per_block = PagedKVCache.bytes_per_block(probe, model.config.num_layers, model.kv_layout(), dtype)
-    num_blocks = kv_cache_memory // per_block
-    if num_blocks < 1:
-        raise ValueError(f"kv cache memory {kv_cache_memory} B holds no block of {per_block} B; raise --kv-cache-memory")
-    return CacheConfig(block_size=block_size, num_blocks=int(num_blocks))
+    if PagedKVCache.bytes_per_block(probe, config.num_layers, model.kv_layout(), dtype) != kv_layer_bytes(config, dtype) * block_size * config.num_layers:
+        raise AssertionError("afd/engine/budget.py counts another KV entry than the model's kv_layout")  # a family added without its budget
+    return CacheConfig(block_size=block_size, num_blocks=kv_pools(config, dtype, kv_cache_memory, block_size, window),
+                       num_window_blocks=window)
 
 
 class LLMEngine:
@@ -46,7 +51,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.runner = runner or ModelRunner(model, config.cache, config.device)
-        self.blocks = BlockManager(config.cache.num_blocks, config.cache.block_size, config.enable_prefix_caching)
+        self.blocks = make_blocks(config.cache.num_blocks, config.cache.block_size, config.enable_prefix_caching,
+                                  config.cache.num_window_blocks, model.config.sliding_window or 0)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         eos = set(model.config.eos_token_ids)
@@ -74,7 +80,7 @@ class LLMEngine:
         limits = engine_limits(model.config, model_dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_model_len,
                                args.max_step_memory, args.max_num_batched_tokens)
         config = EngineConfig(
-            cache=CacheConfig(block_size=args.block_size, num_blocks=limits.num_blocks),
+            cache=CacheConfig(block_size=args.block_size, num_blocks=limits.num_blocks, num_window_blocks=limits.num_window_blocks),
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
             dtype="bfloat16" if model_dtype == torch.bfloat16 else "float32",

@@ -10,6 +10,10 @@ recomputed later from its prompt and the tokens it already produced.
 With prefix caching, a request is admitted on the cached blocks of its longest
 cached prefix and computes only the rest; a request that asks for prompt
 logprobs computes every position (it may fill the cache, it never reads it).
+
+A model with sliding windows may keep its sliding layers in a pool of their own
+(:class:`afd.kvcache.WindowedBlocks`): before each step a running request gives
+back the window blocks no query will read again, and both pools must have room.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from afd.kvcache import BlockManager, SeqChunk
 from afd.engine.request import Request, Status
+from afd.kvcache import BlockManager, SeqChunk, WindowedBlocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +32,7 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager | WindowedBlocks, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -59,9 +63,10 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue  # preempted in this loop
             n = min(req.num_pending, budget)
+            self.blocks.advance(req.request_id, req.num_computed)  # behind every window now: back to the pool
             if not self._reserve(req, n):
                 continue
-            batch.append(ScheduledChunk(req, SeqChunk(self.blocks.table(req.request_id), req.num_computed, n)))
+            batch.append(ScheduledChunk(req, self.blocks.chunk(req.request_id, req.num_computed, n)))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -79,7 +84,7 @@ class Scheduler:
             self.blocks.ensure(req.request_id, cached + n)
             req.status = Status.RUNNING
             self.running.append(req)
-            batch.append(ScheduledChunk(req, SeqChunk(self.blocks.table(req.request_id), req.num_computed, n)))
+            batch.append(ScheduledChunk(req, self.blocks.chunk(req.request_id, req.num_computed, n)))
             budget -= n
         return batch
 

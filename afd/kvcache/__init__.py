@@ -1,8 +1,10 @@
-"""Paged KV cache: a pure-Python block manager, the pooled cache tensors, per-step metadata."""
+"""Paged KV cache: a pure-Python block manager (with a sliding-window pool beside it where a model has windows),
+the pooled cache tensors, per-step metadata."""
 
 from afd.kvcache.block_manager import BlockManager, OutOfBlocksError
 from afd.kvcache.cache import PagedKVCache
 from afd.kvcache.metadata import PAGE_TOKENS, AttentionMetadata, DecodePages, PrefillChunk, SeqChunk, build_attention_metadata, last_token_rows
+from afd.kvcache.windowed import Prefix, WindowedBlocks, make_blocks
 
 __all__ = [
     "PAGE_TOKENS",
@@ -12,7 +14,10 @@ __all__ = [
     "BlockManager",
     "OutOfBlocksError",
     "PagedKVCache",
+    "Prefix",
     "SeqChunk",
+    "WindowedBlocks",
+    "make_blocks",
     "build_attention_metadata",
     "last_token_rows",
 ]

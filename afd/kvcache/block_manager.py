@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Sequence
 
+from afd.kvcache.metadata import SeqChunk
+
 
 def block_name(parent: int | None, tokens: tuple[int, ...]) -> int:
     """The name of a full block: its tokens chained to the name of the block before it (None: the first)."""
@@ -41,6 +43,9 @@ class BlockManager:
     Growing a table is all-or-nothing: on failure nothing changes. With
     ``enable_caching``, :meth:`lookup` finds a cached prefix, :meth:`attach` starts a
     sequence on it, and :meth:`commit` names a sequence's blocks as they fill.
+
+    A table may have holes (None): blocks no query will read again, given back by
+    :meth:`release_before` (a sliding-window pool: :class:`afd.kvcache.WindowedBlocks`).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
@@ -82,10 +87,11 @@ class BlockManager:
     def can_ensure(self, seq_id: int, num_tokens: int) -> bool:
         return self.num_new_blocks(seq_id, num_tokens) <= self.num_free_blocks
 
-    def can_admit(self, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
-        """Whether a new sequence starting on the cached ``prefix`` blocks can hold ``num_tokens``."""
+    def can_admit(self, num_tokens: int, prefix: Sequence[int] = (), skip: int = 0) -> bool:
+        """Whether a new sequence starting on the cached ``prefix`` blocks (after ``skip`` holes) can hold
+        ``num_tokens``."""
         reclaimed = sum(1 for b in prefix if b in self._evictable)  # attaching takes them out of the pool
-        return self.blocks_for(num_tokens) - len(prefix) <= self.num_free_blocks - reclaimed
+        return self.blocks_for(num_tokens) - skip - len(prefix) <= self.num_free_blocks - reclaimed
 
     # ------------------------------------------------------------------ allocation
     def _take(self) -> int:
@@ -119,6 +125,38 @@ class BlockManager:
         except KeyError:
             raise KeyError(f"sequence {seq_id} holds no KV blocks") from None
 
+    def window_table(self, seq_id: int) -> list[int | None] | None:
+        """The sequence's sliding-window table: one pool serves every layer here (None)."""
+        return None
+
+    def chunk(self, seq_id: int, start: int, length: int) -> SeqChunk:
+        """The step's share of ``seq_id``: ``length`` tokens after ``start``, on its tables."""
+        return SeqChunk(self.table(seq_id), start, length, self.window_table(seq_id))
+
+    def advance(self, seq_id: int, start: int) -> None:
+        """``seq_id``'s next step computes from ``start``: what no query will read again may go. Here every
+        position stays visible (full attention); a sliding-window pool releases the blocks behind the window."""
+
+    def release_before(self, seq_id: int, position: int) -> int:
+        """Give back ``seq_id``'s blocks that hold only positions before ``position`` (holes stay in the table,
+        so positions keep their blocks); a named one stays cached. Returns how many were released."""
+        table = self._tables.get(seq_id, [])
+        released = 0
+        for i in range(min(max(0, position) // self.block_size, len(table))):
+            if table[i] is not None:
+                self._drop(table[i])
+                table[i] = None
+                released += 1
+        return released
+
+    def _drop(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            if block in self._key_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+
     def free(self, seq_id: int) -> None:
         """Let go of all of ``seq_id``'s blocks. A block returns to the pool when no sequence holds it;
         a cached one stays reusable until evicted. Freeing an unknown sequence is an error."""
@@ -128,18 +166,14 @@ class BlockManager:
             raise KeyError(f"sequence {seq_id} holds no KV blocks (double free?)") from None
         self._chains.pop(seq_id, None)
         for block in reversed(table):  # a chain's tail is evicted before its head
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                if block in self._key_of:
-                    self._evictable[block] = None
-                else:
-                    self._free.append(block)
+            if block is not None:
+                self._drop(block)
 
     def slot(self, seq_id: int, position: int) -> int:
         table = self.table(seq_id)
         block, offset = divmod(position, self.block_size)
-        if block >= len(table):
-            raise IndexError(f"position {position} of sequence {seq_id} is beyond its {len(table)} blocks")
+        if block >= len(table) or table[block] is None:
+            raise IndexError(f"position {position} of sequence {seq_id} is beyond its {len(table)} blocks or released")
         return table[block] * self.block_size + offset
 
     # ------------------------------------------------------------------ prefix cache
@@ -157,8 +191,14 @@ class BlockManager:
             parent = h
         return blocks
 
-    def attach(self, seq_id: int, prefix: Sequence[int]) -> None:
-        """Start the new sequence ``seq_id`` on the cached ``prefix`` blocks (from :meth:`lookup`)."""
+    def cached(self, names: Sequence[int]) -> list[int] | None:
+        """The cached blocks of these block names, or None if one is not cached here."""
+        blocks = [self._block_of.get(h) for h in names]
+        return None if None in blocks else blocks
+
+    def attach(self, seq_id: int, prefix: Sequence[int], skip: int = 0, names: Sequence[int] | None = None) -> None:
+        """Start the new sequence ``seq_id`` on the cached ``prefix`` blocks (from :meth:`lookup`); with
+        ``skip``, they follow that many holes (a window's blocks of a longer prefix, whose ``names`` are given)."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already holds KV blocks")
         if not prefix:
@@ -167,8 +207,8 @@ class BlockManager:
             if self._refs[block] == 0:
                 del self._evictable[block]
             self._refs[block] += 1
-        self._tables[seq_id] = list(prefix)
-        self._chains[seq_id] = [self._key_of[b][0] for b in prefix]
+        self._tables[seq_id] = [None] * skip + list(prefix)
+        self._chains[seq_id] = list(names) if names is not None else [self._key_of[b][0] for b in prefix]
 
     def needs_commit(self, seq_id: int, num_computed: int) -> bool:
         """Whether ``commit`` has a newly full block to name (cheap: the step loop asks every step)."""
@@ -186,7 +226,7 @@ class BlockManager:
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = block_name(parent, tokens)
             block = table[i]
-            if h not in self._block_of and block not in self._key_of:
+            if block is not None and h not in self._block_of and block not in self._key_of:
                 self._block_of[h] = block
                 self._key_of[block] = (h, parent, tokens)
             chain.append(h)
@@ -196,7 +236,8 @@ class BlockManager:
         held: dict[int, int] = {}
         for table in self._tables.values():
             for b in table:
-                held[b] = held.get(b, 0) + 1
+                if b is not None:
+                    held[b] = held.get(b, 0) + 1
         assert all(self._refs[b] == n for b, n in held.items()), "refcount differs from the tables holding the block"
         assert all(self._refs[b] == 0 for b in range(self.num_blocks) if b not in held)
         free, evictable = set(self._free), set(self._evictable)

@@ -10,11 +10,12 @@ from afd.config import CacheConfig
 
 
 class PagedKVCache:
-    """Per layer, tensors of shape ``[num_blocks * block_size, *component_shape]``.
+    """Per layer, tensors of shape ``[num_blocks * block_size, *component_shape]``; the ``window_layers``
+    (sliding-window layers) hold ``num_window_blocks`` blocks instead when the cache has a window pool.
 
     The model says what one token caches (``kv_layout``): MLA caches one latent
-    vector ``(kv_lora_rank + qk_rope_head_dim,)``; GQA caches ``k`` and ``v``,
-    each ``(num_kv_heads, head_dim)``.
+    vector ``(kv_lora_rank + qk_rope_head_dim,)`` (and, with DeepSeek Sparse Attention, its index key);
+    GQA caches ``k`` and ``v``, each ``(num_kv_heads, head_dim)``.
     """
 
     def __init__(
@@ -24,12 +25,14 @@ class PagedKVCache:
         kv_layout: Sequence[tuple[int, ...]],
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        window_layers: Sequence[int] = (),
     ) -> None:
         self.config = cache
-        num_slots = cache.num_blocks * cache.block_size
+        windowed = set(window_layers) if cache.num_window_blocks else set()
         self.layers: list[tuple[torch.Tensor, ...]] = [
-            tuple(torch.zeros(num_slots, *shape, dtype=dtype, device=device) for shape in kv_layout)
-            for _ in range(num_layers)
+            tuple(torch.zeros((cache.num_window_blocks if i in windowed else cache.num_blocks) * cache.block_size, *shape,
+                              dtype=dtype, device=device) for shape in kv_layout)
+            for i in range(num_layers)
         ]
 
     def layer(self, i: int) -> tuple[torch.Tensor, ...]:

@@ -18,11 +18,14 @@ PAGE_TOKENS = 128
 
 @dataclass(frozen=True, slots=True)
 class SeqChunk:
-    """One sequence's share of a batch: ``length`` new tokens after ``start`` cached ones."""
+    """One sequence's share of a batch: ``length`` new tokens after ``start`` cached ones. ``window_table``:
+    its blocks in the sliding-window pool (None entries: released, behind every window), which the sliding
+    layers read and write instead of ``block_table``; None where one pool serves every layer."""
 
     block_table: Sequence[int]
     start: int
     length: int
+    window_table: Sequence[int | None] | None = None
 
     @property
     def end(self) -> int:
@@ -74,12 +77,14 @@ class DecodePages:
 @dataclass(frozen=True, slots=True)
 class PrefillChunk:
     """One sequence's chunk of more than one new token: rows ``[row, row + length)`` of the step's batch,
-    after ``start`` cached tokens; ``slots`` [start + length] are the cache slots of positions 0..end-1."""
+    after ``start`` cached tokens; ``slots`` [start + length] are the cache slots of positions 0..end-1;
+    ``window_slots``, with a window pool, the window pool's slots of positions window_start..end-1."""
 
     row: int
     start: int
     length: int
     slots: torch.Tensor
+    window_slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +100,8 @@ class AttentionMetadata:
                   the model has (gpt-oss): a sliding layer's decode reads O(W) positions, not O(context)
     layer_state   what one layer of this batch's forward leaves for a later one (GLM-5's shared top-k:
                   afd/models/sparse_attention.py), owned by the batch like the rest
+    window_slot_mapping  [T] with a sliding-window pool: the slot each token's KV takes in the sliding layers'
+                  cache (their own pool and tables); None: those layers use ``slot_mapping``
     """
 
     positions: torch.Tensor
@@ -104,6 +111,11 @@ class AttentionMetadata:
     prefills: tuple[PrefillChunk, ...]
     windowed: tuple[tuple[int, DecodePages], ...] = ()
     layer_state: dict[str, Any] = field(default_factory=dict, compare=False)
+    window_slot_mapping: torch.Tensor | None = None
+
+    def slots_for(self, window: int) -> torch.Tensor:
+        """Where a layer of this window writes the step's KV."""
+        return self.window_slot_mapping if window and self.window_slot_mapping is not None else self.slot_mapping
 
     def decode_pages(self, window: int = 0) -> DecodePages | None:
         """The decode pages a layer of this attention window reads (0: the whole context)."""
@@ -137,15 +149,22 @@ def build_attention_metadata(chunks: Sequence[SeqChunk], block_size: int, device
         rows.append(len(positions))
         positions.extend(range(c.start, c.end))
     positions_t = torch.tensor(positions, dtype=torch.long)
-    slot_mapping = torch.tensor([t[p // block_size] * block_size + p % block_size  # plain ints: no tensor per chunk
-                                 for c in chunks for t in (c.block_table,) for p in range(c.start, c.end)], dtype=torch.long)
+    slot_mapping = _slot_mapping([c.block_table for c in chunks], chunks, block_size)
     lengths = torch.tensor([c.length for c in chunks])
-    prefills = tuple(PrefillChunk(rows[s], c.start, c.length, _slots(c, block_size, 0, c.end).to(device))
+    pooled = any(c.window_table is not None for c in chunks)  # the sliding layers have a pool of their own
+    if pooled and (len(set(windows)) != 1 or not all(c.window_table is not None for c in chunks)):
+        raise ValueError(f"a window pool serves one window, and every chunk of the step needs its window table (windows {windows})")
+    window = windows[0] if pooled else 0
+    window_mapping = _slot_mapping([c.window_table for c in chunks], chunks, block_size).to(device) if pooled else None
+    prefills = tuple(PrefillChunk(rows[s], c.start, c.length, _slots(c, block_size, 0, c.end).to(device),
+                                  _table_slots(c.window_table, block_size, max(0, c.start - window + 1), c.end).to(device) if pooled else None)
                      for s, c in enumerate(chunks) if c.length > 1)
     decoding = [s for s, c in enumerate(chunks) if c.length == 1]
     decode_chunks, decode_rows = [chunks[s] for s in decoding], [rows[s] for s in decoding]
     decode = _decode_pages(decode_chunks, decode_rows, block_size, page_tokens, device) if decoding else None
-    windowed = tuple((w, _decode_pages(decode_chunks, decode_rows, block_size, page_tokens, device, w))
+    # with a window pool, the windowed pages read the window tables (their released blocks lie before every window)
+    window_chunks = [SeqChunk([0 if b is None else b for b in c.window_table], c.start, c.length) for c in decode_chunks] if pooled else decode_chunks
+    windowed = tuple((w, _decode_pages(window_chunks, decode_rows, block_size, page_tokens, device, w))
                      for w in sorted(set(windows)) if decoding)
     return AttentionMetadata(
         positions=positions_t.to(device),
@@ -154,7 +173,19 @@ def build_attention_metadata(chunks: Sequence[SeqChunk], block_size: int, device
         decode=decode,
         prefills=prefills,
         windowed=windowed,
+        window_slot_mapping=window_mapping,
     )
+
+
+def _slot_mapping(tables: Sequence[Sequence[int | None]], chunks: Sequence[SeqChunk], block_size: int) -> torch.Tensor:
+    """[T] the slot of each new token of the chunks, in these tables."""
+    return torch.tensor([t[p // block_size] * block_size + p % block_size  # plain ints: no tensor per chunk
+                         for c, t in zip(chunks, tables) for p in range(c.start, c.end)], dtype=torch.long)
+
+
+def _table_slots(table: Sequence[int | None], block_size: int, begin: int, end: int) -> torch.Tensor:
+    """[end - begin] slots of positions begin..end-1 in a table whose blocks before ``begin``'s may be released."""
+    return torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(begin, end)], dtype=torch.long)
 
 
 def _slots(c: SeqChunk, block_size: int, begin: int, end: int) -> torch.Tensor:

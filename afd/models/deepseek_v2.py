@@ -22,7 +22,7 @@ from afd.kvcache import AttentionMetadata
 from afd.models.base import MoEModel
 from afd.models.layers import Linear, RMSNorm, RotaryEmbedding
 from afd.models.paged_attention import decode_attention, gather, prefill_attention
-from afd.models.sparse_attention import STATE_KEY, Indexer, Selection
+from afd.models.sparse_attention import STATE_KEY, Indexer, Selection, gathered
 
 
 class MLAttention(nn.Module):
@@ -76,10 +76,12 @@ class MLAttention(nn.Module):
         out = x.new_empty(t, nh, mla.v_head_dim)  # [T, nh, dv]
         if meta.decode is not None:  # absorbed: one latent key and value shared by every head
             rows = meta.decode.rows
-            pages = meta.decode if selection is None else selection.decode  # sparse: the selected slots only
+            keys, pages = cache, meta.decode
+            if selection is not None:  # sparse: the selected latents only, gathered
+                keys, pages = gathered(cache, *selection.decode, rows)
             # per head: q_nope W_UK, as one bmm over heads (an einsum adds permuted copies: ~40 % slower here)
             query = torch.cat((torch.bmm(q_nope[rows].transpose(0, 1), w_uk), q_pe[rows].transpose(0, 1)), dim=-1)  # [nh, D, R + dr]
-            out_latent = decode_attention(query.transpose(0, 1), cache[:, None, :], None, pages, self.scale, mla.kv_lora_rank)  # [D, nh, R]
+            out_latent = decode_attention(query.transpose(0, 1), keys[:, None, :], None, pages, self.scale, mla.kv_lora_rank)  # [D, nh, R]
             out[rows] = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1).to(out.dtype)  # [D, nh, dv]
         for n, chunk in enumerate(meta.prefills):
             rows = slice(chunk.row, chunk.row + chunk.length)

@@ -60,8 +60,9 @@ class GQAttention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, d)
 
         k_cache, v_cache = kv  # [slots, nkv, d] each
-        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        slots = meta.slots_for(self.window)  # a sliding layer with a pool of its own writes there
+        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
         out = q.new_empty(t, self.num_heads, d)
         sinks = getattr(self, "sinks", None)
         pages = meta.decode_pages(self.window)
@@ -71,7 +72,7 @@ class GQAttention(nn.Module):
         for chunk in meta.prefills:
             rows = slice(chunk.row, chunk.row + chunk.length)
             first = window_start(chunk.start, self.window)  # a sliding layer reads the keys from its window on
-            slots = chunk.slots[first:]
+            slots = chunk.window_slots if self.window and chunk.window_slots is not None else chunk.slots[first:]
             out[rows] = prefill_attention(q[rows], gather(k_cache, slots), gather(v_cache, slots), chunk.start, self.scale,
                                           self.window, sinks, first)
         return self.o_proj(out.reshape(t, self.num_heads * d))

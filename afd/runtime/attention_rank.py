@@ -20,7 +20,6 @@ from afd.engine.llm_engine import LLMEngine, cache_config_for
 from afd.engine.messages import UnhandledMessage
 from afd.engine.serve_loop import serve_requests
 from afd.engine.tokenizer import Tokenizer
-from afd.kvcache import SeqChunk
 from afd.runtime.faults import engine_runner, rank_mailbox
 from afd.runtime.messages import (Admit, Bye, Capture, FfnJoin, FfnJoined, FfnJoinFailed, FfnLost, GetLinkStats, GetRunnerStats,
                                   GetTrace, InstallPlacement, Joining, Loaded, PlacementInUse, Ready, Reply, RunnerStats, Serve,
@@ -51,7 +50,7 @@ def attention_main(spec: RankSpec, conn, hub) -> None:
     mailbox.start_heartbeats(timeouts.heartbeat, timeouts.hang)  # a restart beats while it waits
     e = spec.engine
     dtype = model.model.embed_tokens.weight.dtype
-    cache = cache_config_for(model, e.kv_cache_memory, e.block_size, dtype)
+    cache = cache_config_for(model, e.kv_cache_memory, e.block_size, dtype, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len)
     plane = None
     if spec.steps is not None:
         members = () if rejoining else range(t.num_attention_ranks)
@@ -188,7 +187,9 @@ def run_capture(engine: LLMEngine, runner: DisaggregatedRunner, prompts: list[li
     if prompts:  # blocks from the engine's own pool (never a running or cached sequence's), returned after
         seqs = [-1 - i for i in range(len(prompts))]
         try:
-            chunks = [SeqChunk(engine.blocks.ensure(s, len(p)), 0, len(p)) for s, p in zip(seqs, prompts)]
+            for s, p in zip(seqs, prompts):
+                engine.blocks.ensure(s, len(p))
+            chunks = [engine.blocks.chunk(s, 0, len(p)) for s, p in zip(seqs, prompts)]
             logits = runner.execute([t for p in prompts for t in p], chunks, solo=not together,
                                     observer=lambda layer, b, x: values.__setitem__((layer, b), x.to("cpu", copy=True)))
         finally:

@@ -109,7 +109,7 @@ def test_sparse_attention_below_the_top_k_equals_dense(checkpoints):
 @pytest.mark.parametrize("contexts", [[1, 5, 9], [30, 200, 7]])
 def test_decode_selection_equals_a_direct_top_k(contexts):
     """decode_topk (the context scored page by page, pages merged side by side) selects the same slots as
-    scoring each context in one piece, and returns them as one-slot blocks the decode kernel reads."""
+    scoring each context in one piece; gathered() copies exactly those rows into the pages it returns."""
     gen = torch.Generator().manual_seed(len(contexts) + contexts[0])
     block, heads, dim, topk = 4, 3, 8, 6
     blocks = BlockManager(256, block)
@@ -117,14 +117,16 @@ def test_decode_selection_equals_a_direct_top_k(contexts):
     index_cache = torch.randn(256 * block, dim, generator=gen)
     meta = build_attention_metadata([SeqChunk(t, n - 1, 1) for t, n in zip(tables, contexts)], block, page_tokens=8)
     q, w = torch.randn(len(contexts), heads, dim, generator=gen), torch.randn(len(contexts), heads, generator=gen)
-    pages = sa.decode_topk(q, w, index_cache, meta.decode, topk)
-    assert pages.block_size == 1
+    selected, lens = sa.decode_topk(q, w, index_cache, meta.decode, topk)
+    compact, pages = sa.gathered(index_cache, selected, lens, meta.decode.rows)
     for i, (t, n) in enumerate(zip(tables, contexts)):
         slots = torch.tensor([t[p // block] * block + p % block for p in range(n)])
         scores = sa.index_scores(q[i], w[i], index_cache[slots])
         want = set(slots[scores.topk(min(topk, n)).indices].tolist())
-        got = set(pages.block_tables[i, : pages.context_lens[i]].tolist())
-        assert got == want and int(pages.context_lens[i]) == min(topk, n)
+        got = selected[i, : lens[i]].tolist()
+        assert set(got) == want and int(lens[i]) == min(topk, n) == int(pages.context_lens[i])
+        rows = pages.page_slots[i][pages.page_valid[i]]
+        assert torch.equal(compact[rows], index_cache[got])  # the gathered rows, in the selection's order
 
 
 def test_index_keys_live_beside_the_latents_and_count_in_the_block(checkpoints):
