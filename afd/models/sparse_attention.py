@@ -23,8 +23,10 @@ Where things live:
 * **GLM-5's shared layers** reuse the selection of the layer before them, kept on the step's metadata
   (``AttentionMetadata.layer_state``).
 
-The scoring here is torch (decode: a batched pass over the context's pages, as the reference decode
-attention reads them); it is O(context) per query, the attention O(top-k).
+At decode on the CPU the indexer's scores and top-k run in afd's native kernel (``dsa_index_topk``: the index
+keys read in place a block at a time with the decode kernel's register tiles, then a partial sort per
+token); elsewhere in torch (:func:`decode_topk_reference`: a batched pass over the context's pages, as the
+reference decode attention reads them). The indexer is O(context) per query, the attention O(top-k).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 from torch import nn
 
 from afd.config import ModelConfig
+from afd.kernels import ops as native_ops
 from afd.kvcache import AttentionMetadata, DecodePages
 from afd.models.layers import Linear, RotaryEmbedding
 from afd.models.paged_attention import gather, gather_blocks
@@ -120,8 +123,19 @@ def topk_mask(scores: torch.Tensor, start: int, topk: int) -> torch.Tensor:
 
 def decode_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, pages: DecodePages,
                 topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode tokens' selection: each token's context scored page by page (as the reference decode attention
-    reads it) -> (its top-k cache slots [D, k], valid ones first; how many are valid [D])."""
+    """Decode tokens' selection -> (each token's top-k cache slots [D, k], valid ones first; how many are
+    valid [D]). The native kernel on the CPU, else :func:`decode_topk_reference`."""
+    kernels = native_ops() if q.device.type == "cpu" else None
+    if kernels is not None and index_cache.is_contiguous():
+        return kernels.dsa_index_topk(q.float().contiguous(), weights.float().contiguous(), index_cache, pages.block_tables,
+                                      pages.context_lens, pages.block_size, topk)
+    return decode_topk_reference(q, weights, index_cache, pages, topk)
+
+
+def decode_topk_reference(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor, pages: DecodePages,
+                          topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_topk` in torch: each token's context scored page by page (as the reference decode
+    attention reads it), the pages of a token side by side, then one top-k."""
     num = q.shape[0]
     keys = gather_blocks(index_cache, pages.page_blocks, pages.block_size).float()  # [P, N, d]
     scores = index_scores(q[pages.page_row], weights[pages.page_row], keys)  # [P, N]

@@ -11,6 +11,7 @@ import torch
 
 import afd.models.sparse_attention as sa
 from afd.config import CacheConfig
+from afd.kernels import ops as native_ops
 from afd.engine.model_runner import ModelRunner
 from afd.kvcache import BlockManager, PagedKVCache, SeqChunk, build_attention_metadata
 from afd.models import load_model
@@ -106,22 +107,27 @@ def test_sparse_attention_below_the_top_k_equals_dense(checkpoints):
     assert not torch.allclose(support.monolithic_capture(sparse, [long])[1], support.monolithic_capture(dense, [long])[1], atol=1e-4)
 
 
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("contexts", [[1, 5, 9], [30, 200, 7]])
-def test_decode_selection_equals_a_direct_top_k(contexts):
+def test_decode_selection_equals_a_direct_top_k(contexts, dtype, impl):
     """decode_topk (the context scored page by page, pages merged side by side) selects the same slots as
     scoring each context in one piece; gathered() copies exactly those rows into the pages it returns."""
     gen = torch.Generator().manual_seed(len(contexts) + contexts[0])
     block, heads, dim, topk = 4, 3, 8, 6
     blocks = BlockManager(256, block)
     tables = [blocks.ensure(i, n) for i, n in enumerate(contexts)]
-    index_cache = torch.randn(256 * block, dim, generator=gen)
+    index_cache = torch.randn(256 * block, dim, generator=gen).to(dtype)
     meta = build_attention_metadata([SeqChunk(t, n - 1, 1) for t, n in zip(tables, contexts)], block, page_tokens=8)
     q, w = torch.randn(len(contexts), heads, dim, generator=gen), torch.randn(len(contexts), heads, generator=gen)
-    selected, lens = sa.decode_topk(q, w, index_cache, meta.decode, topk)
+    if impl == "kernel":
+        assert native_ops() is not None, "afd/kernels did not build here"
+    select = sa.decode_topk if impl == "kernel" else sa.decode_topk_reference
+    selected, lens = select(q, w, index_cache, meta.decode, topk)
     compact, pages = sa.gathered(index_cache, selected, lens, meta.decode.rows)
     for i, (t, n) in enumerate(zip(tables, contexts)):
         slots = torch.tensor([t[p // block] * block + p % block for p in range(n)])
-        scores = sa.index_scores(q[i], w[i], index_cache[slots])
+        scores = sa.index_scores(q[i], w[i], index_cache[slots].float())
         want = set(slots[scores.topk(min(topk, n)).indices].tolist())
         got = selected[i, : lens[i]].tolist()
         assert set(got) == want and int(lens[i]) == min(topk, n) == int(pages.context_lens[i])
@@ -143,3 +149,17 @@ def test_index_keys_live_beside_the_latents_and_count_in_the_block(checkpoints):
     slots = [table[p // 4] * 4 + p % 4 for p in range(9)]
     index_keys = runner.kv_cache.layer(0)[1][slots]
     assert index_keys.abs().sum(-1).gt(0).all(), "every token's index key is written at its latent's slot"
+
+
+def test_the_kernel_breaks_exact_ties_by_position():
+    """Exact ties (every head's q.k negative scores 0) are implementation-defined in torch.topk; afd's kernel
+    takes the lower position first, so its choice is stated and stable."""
+    assert native_ops() is not None, "afd/kernels did not build here"
+    block, n = 4, 30
+    table = BlockManager(16, block).ensure(0, n)
+    meta = build_attention_metadata([SeqChunk(table, n - 1, 1)], block)
+    index_cache = torch.randn(16 * block, 8)
+    q, w = torch.randn(1, 2, 8), torch.zeros(1, 2)  # zero weights: every score is 0
+    slots, lens = native_ops().dsa_index_topk(q, w, index_cache, meta.decode.block_tables, meta.decode.context_lens, block, 5)
+    assert int(lens[0]) == 5
+    assert slots[0].tolist() == [table[p // block] * block + p % block for p in range(5)]

@@ -15,6 +15,10 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
 
 bool paged_decode_vectorized();
 
+std::tuple<at::Tensor, at::Tensor> dsa_index_topk(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& index_cache,
+                                                 const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                                 int64_t block_size, int64_t topk);
+
 #include "small_linear.h"
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -26,6 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention read in place from the paged KV cache (paged_decode.cpp)");
   m.attr("paged_decode_vectorized") = pybind11::bool_(paged_decode_vectorized());
+  m.def("dsa_index_topk", &dsa_index_topk, "DeepSeek Sparse Attention's indexer at decode, read in place (paged_decode.cpp)");
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass, the Hugging Face dtype rules (norm_rope.cpp)");
   m.def("rotary", &rotary, "rotary embedding in one pass, interleaved or halves (norm_rope.cpp)");
   m.def("linear", &small_linear, "y = x W^T + b; a few rows of x read W once in place (small_linear.cpp), more go to at::linear",
