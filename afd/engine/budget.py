@@ -62,6 +62,8 @@ class StepBudget:
         widest = max(moe.intermediate_size, moe.shared_intermediate_size, dense)
         ffn = moe.top_k * h + 2 * h + 3 * widest  # routed slots' rows, one expert's input and output, its intermediate
         per_token = b * (4 * h + attention + ffn) + 4 * (moe.num_experts + moe.top_k)
+        if config.dsa is not None:  # a prefill query's selection: one byte per context position (its scores are tiled)
+            per_token += max_model_len + 4 * config.dsa.index_heads * (1 + config.dsa.index_head_dim)
         context = max_model_len * b * (kv_per_token + min(decompressed, WORKSPACE_BYTES // (b * max_model_len)))
         logits = 4 * max_num_seqs * config.vocab_size * 4  # fp32 logits, processed copy, probabilities, logprobs
         # per (token, key) at the longest context: fp32 scores, probabilities and a mask per head, and a

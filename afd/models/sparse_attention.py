@@ -40,7 +40,7 @@ from afd.config import ModelConfig
 from afd.kernels import ops as native_ops
 from afd.kvcache import AttentionMetadata, DecodePages
 from afd.models.layers import Linear, RotaryEmbedding
-from afd.models.paged_attention import gather, gather_blocks
+from afd.models.paged_attention import WORKSPACE_BYTES, gather, gather_blocks
 
 STATE_KEY = "dsa_selection"  # AttentionMetadata.layer_state: the last indexer layer's Selection
 
@@ -98,9 +98,13 @@ class Indexer(nn.Module):
             decode = decode_topk(q[rows], weights[rows], index_cache, meta.decode, topk)
         masks = []
         for chunk in meta.prefills:
-            rows = slice(chunk.row, chunk.row + chunk.length)
-            scores = index_scores(q[rows], weights[rows], gather(index_cache, chunk.slots).float())  # [q, L]
-            masks.append(topk_mask(scores, chunk.start, topk))
+            keys = gather(index_cache, chunk.slots).float()  # [L, d]
+            # queries in tiles whose fp32 scores [rows, heads, L] stay within the attention workspace
+            rows = max(1, WORKSPACE_BYTES // (4 * self.dsa.index_heads * keys.shape[0]))
+            masks.append(torch.cat([
+                topk_mask(index_scores(q[chunk.row + a : chunk.row + min(a + rows, chunk.length)],
+                                       weights[chunk.row + a : chunk.row + min(a + rows, chunk.length)], keys), chunk.start + a, topk)
+                for a in range(0, chunk.length, rows)]))  # [q, L] bool: one byte per (query, key), in the step budget
         return Selection(decode, tuple(masks))
 
 

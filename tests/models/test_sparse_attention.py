@@ -163,3 +163,28 @@ def test_the_kernel_breaks_exact_ties_by_position():
     slots, lens = native_ops().dsa_index_topk(q, w, index_cache, meta.decode.block_tables, meta.decode.context_lens, block, 5)
     assert int(lens[0]) == 5
     assert slots[0].tolist() == [table[p // block] * block + p % block for p in range(5)]
+
+
+def test_prefill_selection_in_query_tiles_equals_one_piece(checkpoints, monkeypatch):
+    """A long chunk's index scores are computed a tile of queries at a time (bounded memory): with tiles of a
+    few queries the result still equals transformers."""
+    path, hf = checkpoints[V32]
+    model, _ = load_model(path, dtype="float32")
+    monkeypatch.setattr(sa, "WORKSPACE_BYTES", 4 * 16 * 13 * 3)  # 3 queries of 16 heads over 13 keys per tile
+    assert not failures(model, hf)
+
+
+def test_prefix_cache_hit_keeps_the_index_keys(checkpoints):
+    """The index keys sit at the latents' slots: a prompt served again from the prefix cache selects and
+    generates as it did the first time."""
+    from afd.config import EngineConfig, SamplingParams
+    from afd.engine.llm_engine import LLMEngine
+
+    path, _ = checkpoints[GLM5]
+    model, _ = load_model(path, dtype="float32")
+    engine = LLMEngine(model, None, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64), enable_prefix_caching=True))
+    prompt = list(range(3, 3 + 19))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first = engine.generate([prompt], params)[0].token_ids
+    second = engine.generate([prompt], params)[0].token_ids
+    assert engine.scheduler.prefix_hits == 16 and second == first
