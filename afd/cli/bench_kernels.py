@@ -6,7 +6,9 @@ inputs in one process, alternating the two: medians of ``--runs`` and their rati
 * the routed experts: T tokens, top-k of E experts (V2-Lite's 64 of 2048 x 1408 by default is large; the
   default here is the vLLM-comparison model's 8 experts of 256 x 192, where the loop's overhead shows);
 * decode-size linears: M rows against an N x K weight (the vLLM-comparison model's projections and LM head by
-  default), the weights cycled through copies larger than the last-level cache, as a decode step reads them.
+  default), the weights cycled through copies larger than the last-level cache, as a decode step reads them;
+* MXFP4 experts (``--mxfp4-experts``, gpt-oss's shapes: biases, clamped SwiGLU): the blocks kept and decoded
+  inside the C++ loop (``--mxfp4-weights keep``) against the same weights decoded at load, memory and time.
 
 The torch side runs with the kernels off (afd.models.layers sees none), so the experts' torch path is the
 whole Python loop over F.linear.
@@ -37,6 +39,9 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16], help="linears: rows of x")
     p.add_argument("--linears", nargs="+", default=["576x256", "384x256", "4096x256", "256x768"], metavar="NxK",
                    help="linears: weight shapes (out x in)")
+    p.add_argument("--mxfp4-experts", type=int, nargs=4, default=[8, 4, 2880, 2880], metavar=("E", "K", "H", "I"),
+                   help="MXFP4 keep vs dequantize: experts, top-k, hidden, intermediate (gpt-oss's 2880 x 2880)")
+    p.add_argument("--mxfp4-tokens", type=int, nargs="*", default=[1, 8], help="MXFP4: tokens per call (none: skip)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice)")
     p.add_argument("--runs", type=int, default=20)
@@ -120,6 +125,34 @@ def _linear_case(m: int, n: int, k: int, dtype: torch.dtype, runs: int):
     return _alternate(cycled(ops().linear, 0), cycled(F.linear, 1), runs)
 
 
+def _mxfp4_case(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, runs: int) -> dict:
+    """gpt-oss experts held as MXFP4 blocks (decoded per call) against the same values decoded at load."""
+    from afd.models.layers import GroupedExperts
+    from afd.models.mxfp4 import dequantize_mxfp4
+
+    gen = torch.Generator().manual_seed(t)
+    kept = GroupedExperts(e, h, i, range(e), bias=True, swiglu_limit=7.0)
+    gate_up = torch.randint(0, 256, (e, 2 * i, h // 32, 16), dtype=torch.uint8, generator=gen)
+    down = torch.randint(0, 256, (e, h, i // 32, 16), dtype=torch.uint8, generator=gen)
+    scales = [torch.randint(118, 122, (e, rows, cols // 32), dtype=torch.uint8, generator=gen) for rows, cols in ((2 * i, h), (h, i))]
+    plain = GroupedExperts(e, h, i, range(e), bias=True, swiglu_limit=7.0)
+    with torch.no_grad():
+        for m in (kept, plain):
+            m.gate_up_proj_bias.data, m.down_proj_bias.data = torch.zeros(e, 2 * i, dtype=dtype), torch.zeros(e, h, dtype=dtype)
+        plain.gate_up_proj.data = dequantize_mxfp4(gate_up, scales[0], dtype)
+        plain.down_proj.data = dequantize_mxfp4(down, scales[1], dtype)
+    kept.gate_up_proj, kept.down_proj = (torch.nn.Parameter(b, requires_grad=False) for b in (gate_up, down))
+    kept.hold_mxfp4(scales[0], scales[1], dtype)
+    x = torch.randn(t, h, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=gen)
+    t_keep, t_plain = _alternate(lambda: kept(x, ids, w), lambda: plain(x, ids, w), runs)
+    nbytes = lambda m, names: sum(getattr(m, n).numel() * getattr(m, n).element_size() for n in names)  # noqa: E731
+    return {"keep_ms": t_keep * 1e3, "dequantized_ms": t_plain * 1e3,
+            "keep_mib": nbytes(kept, ("gate_up_proj", "down_proj", "gate_up_proj_scales", "down_proj_scales")) / 2**20,
+            "dequantized_mib": nbytes(plain, ("gate_up_proj", "down_proj")) / 2**20}
+
+
 def run(args: argparse.Namespace) -> int:
     from afd.kernels import ops
 
@@ -150,6 +183,15 @@ def run(args: argparse.Namespace) -> int:
             rows.append(("linear", f"{m} rows x ({n} x {k})", f"{native * 1e3:.3f}", f"{ref * 1e3:.3f}", f"{ref / native:.2f}x"))
     print_table(rows)
     speedups = [r["torch_ms"] / r["native_ms"] for r in results.values()]
+    if args.mxfp4_tokens:
+        e, k, h, i = args.mxfp4_experts
+        table = [("MXFP4 experts", "keep ms", "dequantized ms", "keep / dequantized", "keep MiB", "dequantized MiB")]
+        for t in args.mxfp4_tokens:
+            r = _mxfp4_case(t, e, k, h, i, dtype, max(3, args.runs // 4))
+            results[f"mxfp4 T={t}"] = r
+            table.append((f"{t} tokens, top-{k} of {e} ({h} x {i})", f"{r['keep_ms']:.2f}", f"{r['dequantized_ms']:.2f}",
+                          f"{r['keep_ms'] / r['dequantized_ms']:.2f}x", f"{r['keep_mib']:.0f}", f"{r['dequantized_mib']:.0f}"))
+        print_table(table)
     print(f"summary: {args.dtype}, torch threads {torch.get_num_threads()}, medians of {args.runs} alternating runs: "
           f"native kernels ({ops().simd} register tiles) {min(speedups):.2f}x-{max(speedups):.2f}x the torch paths")
     if args.json_out:

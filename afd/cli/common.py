@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from afd import env
-from afd.config import DEFAULT_FP8_MODE, FP8_MODES, EngineArgs, Timeouts
+from afd.config import DEFAULT_FP8_MODE, DEFAULT_MXFP4_MODE, FP8_MODES, MXFP4_MODES, EngineArgs, Timeouts
 
 BUILTIN_MODEL = Path(__file__).resolve().parent.parent / "assets" / "models" / "tiny-shakespeare-moe"
 
@@ -51,6 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-weights", choices=FP8_MODES, default=DEFAULT_FP8_MODE,
                    help="fp8 block-scaled checkpoints: dequantize once at load into --dtype (default: faster), or keep fp8 in "
                         "memory (about half the memory) and dequantize per GEMM")
+    p.add_argument("--mxfp4-weights", choices=MXFP4_MODES, default=DEFAULT_MXFP4_MODE,
+                   help="MXFP4 experts (gpt-oss): dequantize once at load into --dtype (default: faster), or keep the 4-bit "
+                        "blocks in memory (about a quarter of bf16) and decode each expert inside the expert loop")
     p.add_argument("--device", default="cpu",
                    help="monolithic runs: cpu (default), cuda:N or npu:N (disaggregated runs: --attention-devices / --ffn-devices)")
     p.add_argument("--ready-timeout", type=float, default=Timeouts.ready, metavar="S",
@@ -90,7 +93,7 @@ def engine_core_client(args: argparse.Namespace, model_dir: Path):
 def engine_args(args: argparse.Namespace) -> EngineArgs:
     """The engine flags, as one :class:`EngineArgs` (a launcher resolves what is left unset)."""
     return EngineArgs(args.dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
-                      args.max_step_memory, args.max_model_len, args.enable_prefix_caching, args.fp8_weights)
+                      args.max_step_memory, args.max_model_len, args.enable_prefix_caching, args.fp8_weights, args.mxfp4_weights)
 
 
 def timeouts_from_args(args: argparse.Namespace) -> Timeouts:

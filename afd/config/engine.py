@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from afd.config.model import _positive
 
 FP8_MODES = ("dequantize", "keep")
+MXFP4_MODES = ("dequantize", "keep")  # gpt-oss's MXFP4 experts (afd/models/mxfp4.py)
+DEFAULT_MXFP4_MODE = "dequantize"
 DEFAULT_FP8_MODE = "dequantize"  # faster decode at batch 8 on the synthetic V3 (docs/benchmarks.md)
 
 
@@ -135,6 +137,7 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     fp8_weights: str = DEFAULT_FP8_MODE  # fp8 block-scaled checkpoints: dequantize at load | keep (afd/models/quant.py)
+    mxfp4_weights: str = DEFAULT_MXFP4_MODE  # MXFP4 experts (gpt-oss): dequantize at load | keep (afd/models/mxfp4.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -146,3 +149,5 @@ class EngineArgs:
                 _positive(f"--{name.replace('_', '-')}", getattr(self, name))
         if self.fp8_weights not in FP8_MODES:
             raise ValueError(f"--fp8-weights must be one of {', '.join(FP8_MODES)}, got {self.fp8_weights!r}")
+        if self.mxfp4_weights not in MXFP4_MODES:
+            raise ValueError(f"--mxfp4-weights must be one of {', '.join(MXFP4_MODES)}, got {self.mxfp4_weights!r}")

@@ -75,7 +75,7 @@ class LLMEngine:
     def from_pretrained(cls, model_dir: str | Path, args: EngineArgs = EngineArgs(), device: str = "cpu") -> "LLMEngine":
         """The monolithic engine of a checkpoint. The token cap, step memory and context left None
         are derived (afd/engine/budget.py); ``engine.limits`` says what they came to."""
-        model, _ = load_model(model_dir, dtype=args.dtype, selection=WeightSelection.full(), device=device, fp8=args.fp8_weights)
+        model, _ = load_model(model_dir, dtype=args.dtype, selection=WeightSelection.full(), device=device, fp8=args.fp8_weights, mxfp4=args.mxfp4_weights)
         model_dtype = model.model.embed_tokens.weight.dtype
         limits = engine_limits(model.config, model_dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_model_len,
                                args.max_step_memory, args.max_num_batched_tokens)

@@ -180,6 +180,7 @@ class GroupedExperts(nn.Module):
         self._global_to_local = lookup  # constant [E] -> local index or -1
         self.tokens_routed = [0] * len(ids)  # (token, slot) rows each held expert has computed (a metric)
         self.fp8_block: tuple[int, int] | None = None  # set by hold_fp8: weights are fp8, dequantised per expert GEMM
+        self.mxfp4 = False  # set by hold_mxfp4: weights are MXFP4 blocks, decoded per expert GEMM
         self.compute_dtype: torch.dtype | None = None
 
     def hold_fp8(self, name: str, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> None:
@@ -188,8 +189,20 @@ class GroupedExperts(nn.Module):
         self.register_parameter(f"{name}_scale_inv", nn.Parameter(scale_inv.float(), requires_grad=False))
         self.fp8_block, self.compute_dtype = block, dtype
 
+    def hold_mxfp4(self, gate_up_scales: torch.Tensor, down_scales: torch.Tensor, dtype: torch.dtype) -> None:
+        """``gate_up_proj`` [E, 2I, H/32, 16] and ``down_proj`` [E, H, I/32, 16] now hold MXFP4 blocks (gate rows
+        first) with these scales (``--mxfp4-weights keep``: afd/models/mxfp4.py)."""
+        self.register_parameter("gate_up_proj_scales", nn.Parameter(gate_up_scales, requires_grad=False))
+        self.register_parameter("down_proj_scales", nn.Parameter(down_scales, requires_grad=False))
+        self.mxfp4, self.compute_dtype = True, dtype
+
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Local expert ``e``'s (gate_up [2I, H], down [H, I]) in the compute dtype."""
+        if self.mxfp4:
+            from afd.models.mxfp4 import dequantize_mxfp4
+
+            return (dequantize_mxfp4(self.gate_up_proj[e], self.gate_up_proj_scales[e], self.compute_dtype),
+                    dequantize_mxfp4(self.down_proj[e], self.down_proj_scales[e], self.compute_dtype))
         if self.fp8_block is None:
             return self.gate_up_proj[e], self.down_proj[e]
         from afd.models.quant import dequantize
@@ -210,8 +223,9 @@ class GroupedExperts(nn.Module):
             return self.reference(x, topk_ids, topk_weights)
         # the loop of :meth:`reference` in one C++ call (afd/kernels/csrc/moe_experts.cpp says how)
         biases = (self.gate_up_proj_bias, self.down_proj_bias) if self.bias else (None, None)
+        scales = (self.gate_up_proj_scales, self.down_proj_scales) if self.mxfp4 else (None, None)
         out, counts = kernels.moe_experts(x, self._local_ids(topk_ids), topk_weights, self.gate_up_proj, self.down_proj,
-                                          *biases, self.swiglu_limit, self.swiglu_alpha)
+                                          *biases, self.swiglu_limit, self.swiglu_alpha, *scales)
         for e, n in enumerate(counts.tolist()):
             self.tokens_routed[e] += n
         return out

@@ -23,7 +23,7 @@ from afd.models.base import MoEModel
 from afd.models.checkpoint import CheckpointError, CheckpointReader
 from afd.models.hf_config import load_model_config, read_config_json
 from afd.models.layers import GroupedExperts
-from afd.models.mxfp4 import dequantize_mxfp4, is_mxfp4
+from afd.models.mxfp4 import DEFAULT_MXFP4_MODE, MXFP4_MODES, dequantize_mxfp4, is_mxfp4
 from afd.models.quant import SCALE_SUFFIX, Fp8Linear, dequantize, fp8_format
 from afd.models.registry import model_class
 
@@ -203,21 +203,25 @@ def load_model(
     selection: WeightSelection = WeightSelection(),
     device: str | torch.device = "cpu",
     fp8: str = DEFAULT_FP8_MODE,
+    mxfp4: str = DEFAULT_MXFP4_MODE,
 ) -> tuple[MoEModel, LoadReport]:
     """Load the tensors of ``selection`` from a local Hugging Face directory.
 
     ``fp8``: how an fp8 block-scaled checkpoint's weights are held (:mod:`afd.models.quant`):
-    ``dequantize`` once here into ``dtype``, or ``keep`` fp8 and dequantise per GEMM.
+    ``dequantize`` once here into ``dtype``, or ``keep`` fp8 and dequantise per GEMM. ``mxfp4``: likewise for
+    gpt-oss's MXFP4 experts (:mod:`afd.models.mxfp4`).
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     if fp8 not in FP8_MODES:
         raise ValueError(f"fp8 weights mode must be one of {', '.join(FP8_MODES)}; got {fp8!r}")
+    if mxfp4 not in MXFP4_MODES:
+        raise ValueError(f"mxfp4 weights mode must be one of {', '.join(MXFP4_MODES)}; got {mxfp4!r}")
     raw = read_config_json(model_dir)
     config = load_model_config(model_dir)
     fmt = fp8_format(raw)
-    mxfp4 = is_mxfp4(raw)
+    mxfp4_mode, mxfp4 = mxfp4, is_mxfp4(raw)
     target = resolve_dtype(dtype, raw)
     held = selection.held_experts(config.moe.num_experts)
     model = build_meta_model(config, held)
@@ -282,7 +286,14 @@ def load_model(
     keep = fp8 == "keep"
     materialised: dict[str, torch.Tensor] = {}
     scales: dict[str, dict[tuple[int | None, int], torch.Tensor]] = {}  # keep: param -> (expert index, first row) -> scales
+    packed: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # MXFP4 keep: param -> local expert -> (blocks, scales)
     for c in plan:
+        if c.scales is not None and mxfp4_mode == "keep":  # held as they are stored (gate_up's rows gate first)
+            blocks, group_scales = reader.read(c.source, c.expert), reader.read(c.scales, c.expert)
+            if c.convert == "rows_interleaved":
+                blocks, group_scales = (torch.cat((t[0::2], t[1::2])) for t in (blocks, group_scales))
+            packed.setdefault(c.param, {})[c.index] = (blocks, group_scales)
+            continue
         is_q = c.source in quantized
         if c.param not in materialised:
             param = params[c.param]
@@ -313,6 +324,8 @@ def load_model(
         _set_param(model, name, value)
     if scales:
         _keep_fp8(model, scales, fmt.block, target)
+    if packed:
+        _keep_mxfp4(model, packed, target, device)
     reader.close()
     model.eval()
     report = LoadReport(
@@ -322,13 +335,32 @@ def load_model(
         dtype=target,
         fp8=fp8 if quantized else None,
         skipped_mtp=len(mtp),
-        mxfp4="dequantize" if mxfp4 else None,
+        mxfp4=mxfp4_mode if mxfp4 else None,
     )
     log.info("loaded %d tensors (%.1f MB) from %s as %s%s", len(plan), report.bytes_read / 1e6, model_dir, target,
              f", {len(quantized)} fp8 weights ({fp8})" if quantized else "")
     if torch.device(device).type == "cpu":
         native_ops()  # built (or found) now, while the process starts, never at a server's first request
     return model, report
+
+
+def _keep_mxfp4(model: MoEModel, packed: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]], dtype: torch.dtype,
+                device: str | torch.device) -> None:
+    """Hold the MXFP4 blocks and scales just read in the experts, decoded per expert inside the expert loop."""
+    modules: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for name, parts in packed.items():
+        module_name, _, attr = name.rpartition(".")
+        local = range(len(parts))
+        blocks = torch.stack([parts[e][0] for e in local]).to(device)
+        group_scales = torch.stack([parts[e][1] for e in local]).to(device)
+        modules.setdefault(module_name, {})[attr] = (blocks, group_scales)
+    for module_name, held in modules.items():
+        experts = model.get_submodule(module_name)
+        if not isinstance(experts, GroupedExperts) or set(held) != {"gate_up_proj", "down_proj"}:
+            raise CheckpointError(f"MXFP4 weights of {module_name} are not gate_up_proj and down_proj of routed experts")
+        for attr, (blocks, _) in held.items():
+            _set_param(model, f"{module_name}.{attr}", blocks)
+        experts.hold_mxfp4(held["gate_up_proj"][1], held["down_proj"][1], dtype)
 
 
 def _keep_fp8(model: MoEModel, scales: dict[str, dict[tuple[int | None, int], torch.Tensor]], block: tuple[int, int],

@@ -10,8 +10,12 @@ gpt-oss stores ``gate_up_proj`` as rows of the interleaved gate/up outputs over 
 ``down_proj`` as rows of the hidden size over the intermediate size: once decoded, the first is afd's
 ``[2I, H]`` with its rows interleaved, the second afd's ``[H, I]`` as is.
 
-``--mxfp4-weights dequantize`` (the one mode so far) decodes each held expert once at load into the
-compute dtype; only the held experts' rows are read.
+Two ways to run such a checkpoint (``--mxfp4-weights``); either way only the held experts' rows are read:
+
+``dequantize``  decode each held expert once at load into the compute dtype (the memory of a bf16 checkpoint);
+``keep``        hold the blocks and scales (4.25 bits a value: about a quarter of bf16) and decode each
+                expert that has rows inside the expert loop, in C++ (afd/kernels/csrc/moe_experts.cpp: a lookup
+                of 16 values and an exponent), into a scratch weight its two GEMMs then read.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from typing import Any
 
 import torch
 
-MXFP4_MODES = ("dequantize",)
+from afd.config import DEFAULT_MXFP4_MODE, MXFP4_MODES
+
+__all__ = ["DEFAULT_MXFP4_MODE", "MXFP4_MODES", "dequantize_mxfp4", "is_mxfp4"]
 GROUP = 32  # values per scale
 #: e2m1, indexed by the nibble
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

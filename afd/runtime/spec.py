@@ -79,6 +79,6 @@ def failover_enabled(topology: Topology, placement: ExpertPlacement) -> bool:
 
 def load(spec: RankSpec):
     """The rank's model (only its own weights) and its READY report."""
-    model, report = load_model(spec.model_dir, dtype=spec.engine.dtype, device=spec.device.torch_device, fp8=spec.engine.fp8_weights,
+    model, report = load_model(spec.model_dir, dtype=spec.engine.dtype, device=spec.device.torch_device, fp8=spec.engine.fp8_weights, mxfp4=spec.engine.mxfp4_weights,
                                selection=selection_for(spec))
     return model, ReadyReport(spec.name, os.getpid(), report.tensors, report.bytes_read)

@@ -199,13 +199,27 @@ def test_bench_sampler_times_every_mix(tmp_path):
 def test_bench_kernels_times_each_native_kernel_against_its_torch_path(tmp_path):
     out = tmp_path / "kernels.json"
     res = afd("bench", "kernels", "--decode-tokens", "2", "--context", "40", "--heads", "4", "--tokens", "3", "--runs", "2",
-              "--rows", "4", "--linears", "64x32", "--json", str(out))
+              "--rows", "4", "--linears", "64x32", "--mxfp4-experts", "4", "2", "64", "64", "--mxfp4-tokens", "2", "--json", str(out))
     from afd.kernels import ops
 
     assert "summary:" in res.stdout and f"({ops().simd} register tiles)" in res.stdout
     data = json.loads(out.read_text())
-    assert set(data) == {"decode attention D=2 L=40", "experts T=3", "linear M=4 N=64 K=32"}
+    assert set(data) == {"decode attention D=2 L=40", "experts T=3", "linear M=4 N=64 K=32", "mxfp4 T=2"}
+    mxfp4 = data.pop("mxfp4 T=2")
     assert all(v["native_ms"] > 0 and v["torch_ms"] > 0 for v in data.values())
+    assert mxfp4["keep_ms"] > 0 and mxfp4["keep_mib"] < mxfp4["dequantized_mib"] / 3  # 4.25 bits against fp32's 32
+
+
+def test_bench_attention_reports_sparse_and_window_figures(tmp_path):
+    out = tmp_path / "attention.json"
+    res = afd("bench", "attention", "--contexts", "300", "--heads", "4", "--index", "4", "16", "64", "--dtype", "float32",
+              "--window-contexts", "1024", "--window", "32", "--runs", "2", "--json", str(out))
+    assert "sparse/dense" in res.stdout
+    data = json.loads(out.read_text())
+    (dsa,), (window,) = data["dsa"], data["windows"]
+    assert dsa["context"] == 300 and dsa["dense_ms"] > 0 and dsa["sparse_ms"] > 0 and dsa["indexer_ms"] > 0
+    # 1024 tokens with a window of 32 over half the layers: a little over half the one-pool bytes
+    assert window["window_blocks_held"] <= -(-(32 - 1) // 16) + 1 and 0.5 < window["ratio"] < 0.55
 
 
 def test_bench_pipeline_counts_aggregation_across_attention_ranks(tmp_path):

@@ -110,3 +110,31 @@ def test_native_experts_refuse_an_expert_id_out_of_range():
     ids = torch.tensor([[0, 8]])  # local index 8 of 8 experts
     with pytest.raises(RuntimeError, match="local expert id 8 is not in"):
         native_ops().moe_experts(torch.randn(1, 24), ids, torch.ones(1, 2), experts.gate_up_proj, experts.down_proj)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 7, 64])
+def test_mxfp4_experts_decode_in_the_loop_as_the_reference_does(dtype, num_tokens):
+    """MXFP4 blocks held (``--mxfp4-weights keep``): the C++ loop decodes each expert (16-value lookup, e8m0
+    exponent) and equals the Python loop over afd/models/mxfp4.py's decoder, and a dense reference."""
+    from tests.support import encode_mxfp4
+
+    assert native_ops() is not None, "afd/kernels did not build here"
+    held, hidden, inter = [0, 2, 5], 64, 32
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(4)).to(dtype)
+    ids, weights = routing(num_tokens, 2, 8)
+    experts = make_experts(held, hidden=hidden, inter=inter, gpt_oss=True)
+    gate_up, gate_up_scales, gate_up_values = encode_mxfp4(experts.gate_up_proj.data)
+    down, down_scales, down_values = encode_mxfp4(experts.down_proj.data)
+    with torch.no_grad():
+        experts.gate_up_proj.data, experts.down_proj.data = gate_up_values, down_values  # what the blocks decode to
+    dense = dense_reference(experts, x, ids, weights)
+    experts = experts.to(dtype)
+    experts.gate_up_proj, experts.down_proj = torch.nn.Parameter(gate_up, requires_grad=False), torch.nn.Parameter(down, requires_grad=False)
+    experts.hold_mxfp4(gate_up_scales, down_scales, dtype)
+    got = experts(x, ids, weights)
+    want = experts.reference(x, ids, weights)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    scale = max(1.0, dense.abs().max().item())
+    torch.testing.assert_close(got.double(), want.double(), atol=tol * scale, rtol=0)
+    torch.testing.assert_close(got.double(), dense, atol=tol * scale, rtol=0)

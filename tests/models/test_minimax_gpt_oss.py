@@ -193,15 +193,26 @@ def mxfp4_checkpoint(checkpoints, tmp_path_factory):
     return dst, dequantized
 
 
-def test_mxfp4_experts_equal_transformers_on_the_decoded_weights(mxfp4_checkpoint):
+@pytest.mark.parametrize("mode", ["dequantize", "keep"])
+def test_mxfp4_experts_equal_transformers_on_the_decoded_weights(mxfp4_checkpoint, mode):
+    """Both modes: decoded once at load, or kept as blocks and decoded inside the expert loop (the C++ one at
+    decode sizes and past them; the Python loop's reference in tests/kernels)."""
     path, hf = mxfp4_checkpoint
-    model, report = load_model(path, dtype="float32")
-    assert report.mxfp4 == "dequantize"
+    model, report = load_model(path, dtype="float32", mxfp4=mode)
+    assert report.mxfp4 == mode
+    experts = model.model.layers[0].mlp.experts
+    assert (experts.gate_up_proj.dtype == torch.uint8) == (mode == "keep") and experts.mxfp4 == (mode == "keep")
     assert not failures(model, hf)
+    if mode == "keep":  # the 4-bit blocks and their scales: about an eighth of fp32's bytes
+        held = sum(getattr(experts, n).numel() * getattr(experts, n).element_size()
+                   for n in ("gate_up_proj", "down_proj", "gate_up_proj_scales", "down_proj_scales"))
+        assert held * 7 < 4 * (experts.gate_up_proj_scales.numel() + experts.down_proj_scales.numel()) * 32
 
 
 @pytest.mark.parametrize("broken", ["nibbles swapped", "scale without its bias"])
 def test_canary_mxfp4_misread_fails(mxfp4_checkpoint, monkeypatch, broken):
+    """The decoder misreading either field must fail the same check (a decoder of the test's own, in place
+    of afd's at load; the C++ decoder is compared with afd's in tests/kernels)."""
     import afd.models.loader as loader
     from afd.models import mxfp4
 

@@ -20,11 +20,16 @@
 //   down       [E, H, I]
 //   gate_up_bias [E, 2I], down_bias [E, H]   optional (gpt-oss): each expert's biases, the down bias added
 //              before the routing weight
+//   gate_up_scales, down_scales  optional (gpt-oss's MXFP4, ``--mxfp4-weights keep``): gate_up and down are then
+//              uint8 blocks [E, 2I, H/32, 16] and [E, H, I/32, 16] (e2m1 pairs, the even value in the low nibble)
+//              with these e8m0 scales [E, 2I, H/32] and [E, H, I/32]; each expert that has rows is decoded here
+//              into a scratch weight in x's dtype (a lookup of 16 values and an exponent), then runs as above
 //   swiglu_limit optional (gpt-oss): the clamped activation (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g),
 //              g = min(gate, l), instead of silu(gate) * up
 //   returns    ([T, H] in x's dtype: sum over held slots of weight * expert(x), [E] int64 rows each expert took)
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -35,11 +40,43 @@
 
 namespace {
 
+// One expert's MXFP4 weight decoded: blocks [R, G, 16] uint8, scales [R, G] uint8 -> [R, 32 G] in dtype.
+at::Tensor decode_mxfp4(const at::Tensor& blocks, const at::Tensor& scales, at::ScalarType dtype) {
+  static const float kFp4[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  const int64_t rows = blocks.size(0), groups = blocks.size(1);
+  const at::Tensor b = blocks.contiguous(), sc = scales.contiguous();
+  const uint8_t* bp = b.data_ptr<uint8_t>();
+  const uint8_t* sp = sc.data_ptr<uint8_t>();
+  at::Tensor out = at::empty({rows, groups * 32}, blocks.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "decode_mxfp4", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+          const float factor = std::ldexp(1.f, static_cast<int>(sp[r * groups + g]) - 127);
+          const uint8_t* byte = bp + (r * groups + g) * 16;
+          scalar_t* o = op + r * groups * 32 + g * 32;
+          for (int j = 0; j < 16; ++j) {
+            o[2 * j] = static_cast<scalar_t>(kFp4[byte[j] & 0x0F] * factor);
+            o[2 * j + 1] = static_cast<scalar_t>(kFp4[byte[j] >> 4] * factor);
+          }
+        }
+    });
+  });
+  return out;
+}
+
 // What the experts compute besides their two GEMMs: biases and the activation.
 struct ExpertMath {
   c10::optional<at::Tensor> gate_up_bias, down_bias;  // [E, 2I], [E, H]
   c10::optional<double> limit;                         // gpt-oss's clamped SwiGLU
   double alpha;
+  c10::optional<at::Tensor> gate_up_scales, down_scales;  // MXFP4: the weights are blocks
+  at::ScalarType dtype;                                    // what MXFP4 weights decode into
+
+  // Expert e's weights, as the GEMMs take them.
+  at::Tensor gate_up(const at::Tensor& w, int64_t e) const { return gate_up_scales ? decode_mxfp4(w[e], (*gate_up_scales)[e], dtype) : w[e]; }
+  at::Tensor down(const at::Tensor& w, int64_t e) const { return down_scales ? decode_mxfp4(w[e], (*down_scales)[e], dtype) : w[e]; }
 };
 
 // silu(gate) * up, or gpt-oss's clamped form, over one row of I channels (gate then up in g).
@@ -58,8 +95,8 @@ inline void activation(const float* g, float* a, int64_t inter, const ExpertMath
 // The decode path (see the top): out [T, H] float32 += weight * expert(x row) for every held (token, slot) row.
 at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
                             const std::vector<int64_t>& count, const std::vector<int64_t>& rows, int64_t k, int64_t most,
-                            const ExpertMath& math) {
-  const int64_t hidden = x.size(1), inter = down.size(2), num_experts = gate_up.size(0);
+                            const ExpertMath& math, int64_t inter) {
+  const int64_t hidden = x.size(1), num_experts = gate_up.size(0);
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
   const at::Tensor w32 = weights.to(at::kFloat).contiguous();
   const float* xs = x32.data_ptr<float>();
@@ -75,7 +112,7 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
     if (n == 0) continue;
     const int64_t* slot_rows = rows.data() + count[e];
     for (int64_t i = 0; i < n; ++i) std::memcpy(xe.data() + i * hidden, xs + (slot_rows[i] / k) * hidden, hidden * sizeof(float));
-    TORCH_CHECK(small_gemm(xe.data(), n, hidden, gate_up[e], gate_and_up.data()), "moe_experts: gate_up is not contiguous");
+    TORCH_CHECK(small_gemm(xe.data(), n, hidden, math.gate_up(gate_up, e), gate_and_up.data()), "moe_experts: gate_up is not contiguous");
     for (int64_t i = 0; i < n; ++i) {
       float* g = gate_and_up.data() + i * 2 * inter;
       if (b1.defined()) {
@@ -84,7 +121,7 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
       }
       activation(g, act.data() + i * inter, inter, math);
     }
-    TORCH_CHECK(small_gemm(act.data(), n, inter, down[e], ye.data()), "moe_experts: down is not contiguous");
+    TORCH_CHECK(small_gemm(act.data(), n, inter, math.down(down, e), ye.data()), "moe_experts: down is not contiguous");
     const float* bias = b2.defined() ? b2.data_ptr<float>() + e * hidden : nullptr;
     for (int64_t i = 0; i < n; ++i) {
       const float w = ws[slot_rows[i]];
@@ -108,22 +145,34 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
                                                const at::Tensor& gate_up, const at::Tensor& down,
                                                const c10::optional<at::Tensor>& gate_up_bias,
                                                const c10::optional<at::Tensor>& down_bias, c10::optional<double> swiglu_limit,
-                                               double swiglu_alpha) {
+                                               double swiglu_alpha, const c10::optional<at::Tensor>& gate_up_scales,
+                                               const c10::optional<at::Tensor>& down_scales) {
   TORCH_CHECK(x.dim() == 2 && local_ids.dim() == 2 && local_ids.size(0) == x.size(0), "x must be [T, H], local_ids [T, k]");
   TORCH_CHECK(local_ids.scalar_type() == at::kLong, "local_ids must be int64");
   TORCH_CHECK(weights.sizes() == local_ids.sizes(), "weights must be [T, k] like local_ids");
-  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(0) == down.size(0), "gate_up must be [E, 2I, H], down [E, H, I]");
+  const bool mxfp4 = gate_up_scales.has_value();
+  TORCH_CHECK(mxfp4 == down_scales.has_value(), "MXFP4 needs the scales of gate_up and down");
+  const int64_t dims = mxfp4 ? 4 : 3;  // MXFP4 blocks: [E, rows, groups, 16]
+  TORCH_CHECK(gate_up.dim() == dims && down.dim() == dims && gate_up.size(0) == down.size(0),
+              mxfp4 ? "MXFP4 gate_up must be [E, 2I, H/32, 16], down [E, H, I/32, 16]" : "gate_up must be [E, 2I, H], down [E, H, I]");
   const int64_t num_tokens = x.size(0), k = local_ids.size(1), num_experts = gate_up.size(0);
-  const int64_t inter = down.size(2);
-  TORCH_CHECK(gate_up.size(1) == 2 * inter && gate_up.size(2) == x.size(1) && down.size(1) == x.size(1),
+  const int64_t inter = mxfp4 ? down.size(2) * 32 : down.size(2), hidden_in = mxfp4 ? gate_up.size(2) * 32 : gate_up.size(2);
+  TORCH_CHECK(gate_up.size(1) == 2 * inter && hidden_in == x.size(1) && down.size(1) == x.size(1),
               "expert weights do not match: gate_up ", gate_up.sizes(), ", down ", down.sizes(), ", x ", x.sizes());
+  if (mxfp4)
+    TORCH_CHECK(gate_up.scalar_type() == at::kByte && down.scalar_type() == at::kByte && gate_up_scales->scalar_type() == at::kByte &&
+                    down_scales->scalar_type() == at::kByte && gate_up_scales->sizes() == gate_up.sizes().slice(0, 3) &&
+                    down_scales->sizes() == down.sizes().slice(0, 3),
+                "MXFP4 blocks and scales must be uint8, the scales one per group of the blocks");
   if (gate_up_bias)
     TORCH_CHECK(gate_up_bias->dim() == 2 && gate_up_bias->size(0) == num_experts && gate_up_bias->size(1) == 2 * inter,
                 "gate_up_bias must be [E, 2I], got ", gate_up_bias->sizes());
   if (down_bias)
     TORCH_CHECK(down_bias->dim() == 2 && down_bias->size(0) == num_experts && down_bias->size(1) == x.size(1),
                 "down_bias must be [E, H], got ", down_bias->sizes());
-  const ExpertMath math{gate_up_bias, down_bias, swiglu_limit, swiglu_alpha};
+  const auto decoded = x.scalar_type() == at::kFloat ? at::kFloat : at::kBFloat16;  // MXFP4 values are exact in either
+  const ExpertMath math{gate_up_bias, down_bias, swiglu_limit, swiglu_alpha, gate_up_scales, down_scales,
+                        x.scalar_type() == at::kHalf ? at::kHalf : decoded};
   const at::Tensor ids = local_ids.contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
   std::vector<int64_t> count(num_experts + 1, 0);  // counting sort of the (token, slot) rows by expert
@@ -140,9 +189,9 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
   const auto index_options = at::TensorOptions().dtype(at::kLong);
   const int64_t most = per_expert.empty() ? 0 : *std::max_element(per_expert.begin(), per_expert.end());
   const auto dtype = x.scalar_type();
-  if (small_linear_takes(dtype, most) && gate_up.scalar_type() == dtype && down.scalar_type() == dtype &&
-      gate_up.is_contiguous() && down.is_contiguous())
-    return {experts_in_place(x, weights, gate_up, down, count, rows, k, most, math), at::tensor(per_expert, index_options)};
+  if (small_linear_takes(dtype, most) &&
+      (mxfp4 || (gate_up.scalar_type() == dtype && down.scalar_type() == dtype && gate_up.is_contiguous() && down.is_contiguous())))
+    return {experts_in_place(x, weights, gate_up, down, count, rows, k, most, math, inter), at::tensor(per_expert, index_options)};
   auto out = at::zeros({num_tokens * k, x.size(1)}, x.options());  // one row per (token, slot)
   const at::Tensor flat_weights = weights.reshape({-1});
   for (int64_t e = 0; e < num_experts; ++e) {
@@ -151,7 +200,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
     at::Tensor row_index = at::from_blob(rows.data() + count[e], {n}, index_options).clone();  // [n] (token, slot) rows
     at::Tensor xe = x.index_select(0, at::div(row_index, k, "floor"));  // [n, H]
     const auto bias = [e](const c10::optional<at::Tensor>& b) { return b ? c10::optional<at::Tensor>((*b)[e]) : c10::nullopt; };
-    at::Tensor gate_and_up = small_linear(xe, gate_up[e], bias(gate_up_bias));  // [n, 2I]
+    at::Tensor gate_and_up = small_linear(xe, math.gate_up(gate_up, e).to(x.scalar_type()), bias(gate_up_bias));  // [n, 2I]
     at::Tensor gate = gate_and_up.narrow(1, 0, inter), up = gate_and_up.narrow(1, inter, inter), act;
     if (swiglu_limit) {  // as afd/models/layers.py: clamped_swiglu, op for op
       gate = gate.clamp_max(*swiglu_limit);
@@ -159,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
     } else {
       act = at::silu(gate) * up;
     }
-    at::Tensor ye = small_linear(act, down[e], bias(down_bias));  // [n, H], the expert's bias before its weight
+    at::Tensor ye = small_linear(act, math.down(down, e).to(x.scalar_type()), bias(down_bias));  // [n, H], the expert's bias before its weight
     out.index_put_({row_index}, (ye * flat_weights.index_select(0, row_index).unsqueeze(1)).to(out.scalar_type()));
   }
   return {out.view({num_tokens, k, -1}).sum(1), at::tensor(per_expert, index_options)};
