@@ -245,3 +245,49 @@ def test_other_quantisation_of_gpt_oss_is_refused(checkpoints, tmp_path):
     (dst / "config.json").write_text(json.dumps(raw))
     with pytest.raises(UnsupportedArchitectureError, match="awq"):
         load_model(dst)
+
+
+def test_minimax_fp8_release_reads_as_v3s(checkpoints, tmp_path):
+    """MiniMax-M2's release is fp8 block-scaled under Mixtral's names (``block_sparse_moe.experts.{e}.w1``...):
+    it loads as V3's does, in both modes, and equals transformers on the dequantised weights."""
+    import copy
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tests.models.test_fp8 import BLOCK, dequantize, quantize
+
+    src, hf = checkpoints[MINIMAX]
+    dst = tmp_path / "minimax-fp8"
+    shutil.copytree(src, dst)
+    with safe_open(dst / "model.safetensors", framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    stored, real = {}, {}
+    for name, t in tensors.items():
+        if t.dim() == 2 and name.endswith(".weight") and (".self_attn." in name or ".experts." in name) and "norm" not in name:
+            q, s = quantize(t)
+            stored[name], stored[name + "_scale_inv"], real[name] = q, s, dequantize(q, s)
+        else:
+            stored[name] = t
+    save_file(stored, dst / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((dst / "config.json").read_text())
+    raw["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(BLOCK)}
+    (dst / "config.json").write_text(json.dumps(raw))
+    ref = copy.deepcopy(hf)
+    state = ref.state_dict()
+    inter = hf.config.intermediate_size
+    for name, w in real.items():
+        if ".experts." in name:  # Mixtral's w1 (gate), w3 (up), w2 (down) -> transformers' stacked experts
+            layer, e, proj = name.split(".")[2], int(name.split(".")[5]), name.split(".")[6]
+            prefix = f"model.layers.{layer}.mlp.experts"
+            if proj == "w2":
+                state[f"{prefix}.down_proj"][e] = w
+            else:
+                state[f"{prefix}.gate_up_proj"][e, slice(0, inter) if proj == "w1" else slice(inter, 2 * inter)] = w
+        else:
+            state[name] = w
+    ref.load_state_dict(state)
+    for mode in ("dequantize", "keep"):
+        model, report = load_model(dst, dtype="float32", fp8=mode)
+        assert report.fp8 == mode
+        assert not failures(model, ref.eval()), mode
