@@ -18,7 +18,6 @@ import json
 import logging
 import multiprocessing as mp
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -38,6 +37,7 @@ from afd.models.hf_config import load_model_config
 from afd.models.loader import resolve_dtype
 from afd.runtime.forkserver import RunForkServer
 from afd.runtime.messages import AttentionGone, Bye, Shutdown
+from afd.runtime.procs import make_run_dir
 from afd.runtime.rank import run_rank
 from afd.runtime.spec import RankSpec
 
@@ -184,8 +184,7 @@ class Launcher:
         """The links' files (shm), the stores (tcp, torch, and the step agreement's), before any rank starts."""
         t, node = self.topology, self.node
         if t.transport == "shm":
-            base = "/dev/shm" if Path("/dev/shm").is_dir() else None
-            self.run_dir = Path(tempfile.mkdtemp(prefix=f"afd-{self.run_id}-", dir=base))
+            self.run_dir = make_run_dir(self.run_id, "/dev/shm" if Path("/dev/shm").is_dir() else None)
         # 9 slots per direction: up to 8 micro-batches in flight plus a control message, so a
         # full ring can never block both sides at once
         c = self.model_config

@@ -1,17 +1,24 @@
 """Process helpers every process of a run uses: dying with its parent, reporting a failure, naming itself,
-and saying why a child exited."""
+saying why a child exited, and a run directory that a later run removes if its launcher died without."""
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+import shutil
 import signal
+import tempfile
 import traceback
+from pathlib import Path
 
 from afd.runtime.messages import Failed
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+_OWNER = "owner"  # in a run directory: "<pid> <start time>" of the launcher that made it
+
+log = logging.getLogger(__name__)
 
 
 def die_with_parent() -> None:
@@ -54,3 +61,40 @@ def exit_reason(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time (``/proc/<pid>/stat`` field 22: with the pid, it names one process), None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def make_run_dir(run_id: str, base: str | None) -> Path:
+    """A run's directory (``afd-<run id>-*`` under ``base``), owned by this process. First, the directories of
+    runs whose launcher is gone (killed with SIGKILL, say: nothing of theirs could clean up) are removed:
+    under /dev/shm their link files hold memory until someone does."""
+    sweep_stale_run_dirs(base)
+    path = Path(tempfile.mkdtemp(prefix=f"afd-{run_id}-", dir=base))
+    (path / _OWNER).write_text(f"{os.getpid()} {_start_time(os.getpid())}")
+    return path
+
+
+def sweep_stale_run_dirs(base: str | None) -> list[Path]:
+    """Remove ``afd-*`` run directories under ``base`` whose owner process is no longer the one that made them
+    (gone, or its pid reused). A directory without an owner file is left alone: nobody can say whose it is."""
+    removed = []
+    for path in Path(base or tempfile.gettempdir()).glob("afd-*"):
+        try:
+            pid, started = (path / _OWNER).read_text().split()
+        except (OSError, ValueError):
+            continue
+        if _start_time(int(pid)) == started:
+            continue
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        shutil.rmtree(path, ignore_errors=True)
+        log.warning("removed %s (%.1f MiB), left by a run whose launcher (pid %s) is gone", path, size / 2**20, pid)
+        removed.append(path)
+    return removed

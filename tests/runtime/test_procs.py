@@ -1,0 +1,34 @@
+"""Process helpers: a run directory left by a launcher killed with SIGKILL is removed by the next run, and
+nothing else is (a live owner's, one whose pid was reused, one without an owner file)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from afd.runtime.procs import make_run_dir, sweep_stale_run_dirs
+
+pytestmark = pytest.mark.procs
+
+
+def test_a_sigkilled_launchers_run_dir_is_removed_by_the_next_run(tmp_path):
+    code = ("import sys, time; from afd.runtime.procs import make_run_dir; "
+            f"d = make_run_dir('dead', {str(tmp_path)!r}); (d / 'link').write_bytes(bytes(1 << 20)); print(d, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    left = tmp_path / proc.stdout.readline().strip().rsplit("/", 1)[1]
+    proc.kill()  # SIGKILL: nothing of its own can clean up
+    proc.wait()
+    proc.stdout.close()
+    assert left.is_dir() and (left / "link").is_file()
+    unowned = tmp_path / "afd-unowned-x"
+    unowned.mkdir()
+    reused = tmp_path / "afd-reused-x"
+    reused.mkdir()
+    (reused / "owner").write_text(f"{os.getpid()} 1")  # this pid, another start time: a reused pid
+    mine = make_run_dir("live", str(tmp_path))  # sweeps first
+    assert not left.exists() and not reused.exists(), "the dead launchers' directories stay"
+    assert unowned.is_dir() and mine.is_dir(), "a directory of unknown or live ownership was removed"
+    assert sweep_stale_run_dirs(str(tmp_path)) == [] and mine.is_dir()
