@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from afd.cli.common import print_table
+from afd.cli.common import alternate, print_table
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:
@@ -35,17 +33,6 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--runs", type=int, default=9)
     p.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
     p.set_defaults(func=run)
-
-
-def _alternate(a, b, runs: int) -> tuple[float, float]:
-    a(), b()
-    ta, tb = [], []
-    for _ in range(runs):
-        for f, times in ((a, ta), (b, tb)):
-            t0 = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
 
 
 def _dsa_case(context: int, d: int, heads: int, index: tuple[int, int, int], dtype: torch.dtype, runs: int) -> dict:
@@ -74,8 +61,8 @@ def _dsa_case(context: int, d: int, heads: int, index: tuple[int, int, int], dty
         compact, pages = gathered(cache, *decode_topk(q_index, weights, index_cache, meta.decode, topk), meta.decode.rows)
         decode_attention(query, compact[:, None, :], None, pages, scale, latent)
 
-    t_dense, t_sparse = _alternate(dense, sparse, runs)
-    t_index, _ = _alternate(lambda: decode_topk(q_index, weights, index_cache, meta.decode, topk), lambda: None, runs)
+    t_dense, t_sparse = alternate(dense, sparse, runs)
+    t_index, _ = alternate(lambda: decode_topk(q_index, weights, index_cache, meta.decode, topk), lambda: None, runs)
     return {"context": context, "decode_tokens": d, "dense_ms": t_dense * 1e3, "sparse_ms": t_sparse * 1e3,
             "indexer_ms": t_index * 1e3, "ratio": t_sparse / t_dense}
 

@@ -19,13 +19,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from afd.cli.common import print_table
+from afd.cli.common import alternate, print_table
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:
@@ -47,18 +45,6 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
     p.set_defaults(func=run)
-
-
-def _alternate(a, b, runs: int) -> tuple[float, float]:
-    """Median seconds of a() and b(), run in turn (this machine's drift hits both alike)."""
-    a(), b()
-    ta, tb = [], []
-    for _ in range(runs):
-        for f, times in ((a, ta), (b, tb)):
-            t0 = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
 
 
 @contextlib.contextmanager
@@ -85,7 +71,7 @@ def _decode_case(d: int, context: int, heads: int, dtype: torch.dtype, runs: int
     cache = torch.randn(num_blocks * block_size, 1, 576).to(dtype)
     meta = build_attention_metadata([SeqChunk(t, context - 1, 1) for t in tables], block_size)
     q = torch.randn(d, heads, 576).to(dtype)
-    return _alternate(lambda: pa.decode_attention(q, cache, None, meta.decode, 576**-0.5, 512),
+    return alternate(lambda: pa.decode_attention(q, cache, None, meta.decode, 576**-0.5, 512),
                       lambda: pa.decode_attention_reference(q, cache, None, meta.decode, 576**-0.5, 512), runs)
 
 
@@ -104,7 +90,7 @@ def _experts_case(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, ru
         with _torch_only():
             experts.reference(x, ids, weights)
 
-    return _alternate(lambda: experts(x, ids, weights), torch_path, runs)
+    return alternate(lambda: experts(x, ids, weights), torch_path, runs)
 
 
 def _linear_case(m: int, n: int, k: int, dtype: torch.dtype, runs: int):
@@ -122,7 +108,7 @@ def _linear_case(m: int, n: int, k: int, dtype: torch.dtype, runs: int):
             f(x, copies[turn[side]])
         return call
 
-    return _alternate(cycled(ops().linear, 0), cycled(F.linear, 1), runs)
+    return alternate(cycled(ops().linear, 0), cycled(F.linear, 1), runs)
 
 
 def _mxfp4_case(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, runs: int) -> dict:
@@ -146,7 +132,7 @@ def _mxfp4_case(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, runs
     x = torch.randn(t, h, generator=gen).to(dtype)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
     w = torch.rand(t, k, generator=gen)
-    t_keep, t_plain = _alternate(lambda: kept(x, ids, w), lambda: plain(x, ids, w), runs)
+    t_keep, t_plain = alternate(lambda: kept(x, ids, w), lambda: plain(x, ids, w), runs)
     nbytes = lambda m, names: sum(getattr(m, n).numel() * getattr(m, n).element_size() for n in names)  # noqa: E731
     return {"keep_ms": t_keep * 1e3, "dequantized_ms": t_plain * 1e3,
             "keep_mib": nbytes(kept, ("gate_up_proj", "down_proj", "gate_up_proj_scales", "down_proj_scales")) / 2**20,

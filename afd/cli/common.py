@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -228,3 +230,15 @@ def print_table(rows: list[tuple[str, ...]] | list[list[str]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+
+
+def alternate(a, b, runs: int) -> tuple[float, float]:
+    """Median seconds of a() and b(), run in turn after one warm-up call each (this machine's drift hits both alike)."""
+    a(), b()
+    ta, tb = [], []
+    for _ in range(runs):
+        for f, times in ((a, ta), (b, tb)):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
