@@ -168,3 +168,22 @@ def test_2026_families_real_processes(references, transport, case, gate, router)
             assert on_rank == ((r.spec.role.name == "ATTENTION") == (gate == "attention")), r.spec.name
             if r.spec.role.name == "FFN":  # the indexer runs on the attention side: none of it crosses
                 assert not any(".indexer." in n for n in r.ready.tensors), r.spec.name
+
+
+@pytest.mark.parametrize("case", FAMILIES_2026)
+def test_2026_families_sync_split_with_redundant_experts(references, case):
+    """The sync pipeline too, with every expert on two FFN ranks and the copy choice on either side."""
+    path, model, ref_values, ref_logits = references[case]
+    for gate in ("attention", "ffn"):
+        t = topology(2, 2, transport="loopback", gate=gate, dense_on="ffn", shared_experts_on="attention", redundant_experts=8)
+        with support.cluster(path, t, ENGINE, pipeline=PipelineConfig("sync")) as cluster:
+            check_cluster(cluster, model, ref_values, ref_logits, gate)
+
+
+@pytest.mark.procs
+def test_2026_family_over_tcp(references):
+    """DeepSeek-V3.2 over the tcp transport, real processes, 2A3F async, the gate on the FFN side."""
+    path, model, ref_values, ref_logits = references["dsv32-top6"]
+    t = topology(2, 3, transport="tcp", gate="ffn", dense_on="ffn", shared_experts_on="ffn")
+    with support.cluster(path, t, ENGINE, pipeline=PipelineConfig("async", 2, "token")) as cluster:
+        check_cluster(cluster, model, ref_values, ref_logits, "ffn")
