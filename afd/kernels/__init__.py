@@ -3,11 +3,14 @@
 Each op has a pure-torch twin (the reference its tests compare against, and the path that runs where the
 kernels are off or cannot be built). Today:
 
-* ``paged_decode_attention``: decode attention read in place from the paged KV cache
-  (afd/models/paged_attention.py says when it is used);
+* ``paged_decode_attention``: decode attention read in place from the paged KV cache, with gpt-oss's sinks
+  and sliding windows (afd/models/paged_attention.py says when it is used);
+* ``dsa_index_topk``: DeepSeek Sparse Attention's indexer at decode, its scores over the cached index keys
+  read in place and each token's top-k (afd/models/sparse_attention.py);
 * ``moe_experts``: the routed experts a process holds, the per-expert loop of
   ``GroupedExperts.forward`` (afd/models/layers.py) in one call: in plain C++ at decode sizes, the loop's own
-  ATen ops (bit for bit) past them;
+  ATen ops (bit for bit) past them; with gpt-oss's biases and clamped SwiGLU, and its MXFP4 blocks decoded
+  per expert;
 * ``rms_norm``, ``rotary``: ``RMSNorm`` and ``RotaryEmbedding.apply`` (afd/models/layers.py) in one pass
   over each row, with their dtype rules;
 * ``linear``: ``F.linear`` at decode sizes (a few rows), reading the weight once in place instead of
