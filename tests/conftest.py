@@ -65,26 +65,19 @@ def checkpoints(tmp_path_factory):
     """name -> (checkpoint dir, in-memory transformers model) for every parity case."""
     root = tmp_path_factory.mktemp("ckpt")
     out = {}
-    for seed, (name, overrides) in enumerate(support.DEEPSEEK_CASES.items()):
-        hf = support.build_hf_model(support.deepseek_config(**overrides), seed=seed)
-        hub = name == "ds-qlora-grouped-yarn"  # legacy hub config.json + sharded safetensors
-        out[name] = (support.save_checkpoint(hf, root / name, max_shard_size="100KB" if hub else None, hub_style=hub), hf)
-    for seed, (name, overrides) in enumerate(support.QWEN_CASES.items(), start=10):
-        hf = support.build_hf_model(support.qwen3_config(**overrides), seed=seed)
-        out[name] = (support.save_checkpoint(hf, root / name), hf)
-    for seed, (name, overrides) in enumerate(support.DEEPSEEK_V3_CASES.items(), start=20):
-        hf = support.build_hf_model(support.deepseek_v3_config(**overrides), seed=seed)
-        out[name] = (support.save_checkpoint(hf, root / name, with_mtp=name == "dsv3-grouped-yarn"), hf)
-    for seed, (name, overrides) in enumerate(support.GLM_CASES.items(), start=30):
-        hf = support.build_hf_model(support.glm4_moe_config(**overrides), seed=seed)
-        out[name] = (support.save_checkpoint(hf, root / name), hf)
-    for seed, (name, overrides) in enumerate(support.DSA_CASES.items(), start=60):
-        hf = support.build_hf_model(support.dsa_config(**overrides), seed=seed)
-        out[name] = (support.save_checkpoint(hf, root / name), hf)
-    for seed, (name, overrides) in enumerate(support.MINIMAX_CASES.items(), start=40):
-        hf = support.build_hf_model(support.minimax_m2_config(**overrides), seed=seed)
-        out[name] = (support.save_checkpoint(hf, root / name), hf)
-    for seed, (name, overrides) in enumerate(support.GPT_OSS_CASES.items(), start=50):
-        hf = support.build_hf_model(support.gpt_oss_config(**overrides), seed=seed)
-        out[name] = (support.save_checkpoint(hf, root / name), hf)
+    families = [  # (cases, config builder, first seed)
+        (support.DEEPSEEK_CASES, support.deepseek_config, 0),
+        (support.QWEN_CASES, support.qwen3_config, 10),
+        (support.DEEPSEEK_V3_CASES, support.deepseek_v3_config, 20),
+        (support.GLM_CASES, support.glm4_moe_config, 30),
+        (support.MINIMAX_CASES, support.minimax_m2_config, 40),
+        (support.GPT_OSS_CASES, support.gpt_oss_config, 50),
+        (support.DSA_CASES, support.dsa_config, 60),
+    ]
+    for cases, config, first_seed in families:
+        for seed, (name, overrides) in enumerate(cases.items(), start=first_seed):
+            hf = support.build_hf_model(config(**overrides), seed=seed)
+            hub = name == "ds-qlora-grouped-yarn"  # legacy hub config.json + sharded safetensors
+            out[name] = (support.save_checkpoint(hf, root / name, max_shard_size="100KB" if hub else None, hub_style=hub,
+                                                 with_mtp=name == "dsv3-grouped-yarn"), hf)
     return out

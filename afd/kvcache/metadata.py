@@ -156,8 +156,8 @@ def build_attention_metadata(chunks: Sequence[SeqChunk], block_size: int, device
         raise ValueError(f"a window pool serves one window, and every chunk of the step needs its window table (windows {windows})")
     window = windows[0] if pooled else 0
     window_mapping = _slot_mapping([c.window_table for c in chunks], chunks, block_size).to(device) if pooled else None
-    prefills = tuple(PrefillChunk(rows[s], c.start, c.length, _slots(c, block_size, 0, c.end).to(device),
-                                  _table_slots(c.window_table, block_size, max(0, c.start - window + 1), c.end).to(device) if pooled else None)
+    prefills = tuple(PrefillChunk(rows[s], c.start, c.length, _slots(c.block_table, block_size, 0, c.end).to(device),
+                                  _slots(c.window_table, block_size, max(0, c.start - window + 1), c.end).to(device) if pooled else None)
                      for s, c in enumerate(chunks) if c.length > 1)
     decoding = [s for s, c in enumerate(chunks) if c.length == 1]
     decode_chunks, decode_rows = [chunks[s] for s in decoding], [rows[s] for s in decoding]
@@ -183,15 +183,12 @@ def _slot_mapping(tables: Sequence[Sequence[int | None]], chunks: Sequence[SeqCh
                          for c, t in zip(chunks, tables) for p in range(c.start, c.end)], dtype=torch.long)
 
 
-def _table_slots(table: Sequence[int | None], block_size: int, begin: int, end: int) -> torch.Tensor:
-    """[end - begin] slots of positions begin..end-1 in a table whose blocks before ``begin``'s may be released."""
-    return torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(begin, end)], dtype=torch.long)
-
-
-def _slots(c: SeqChunk, block_size: int, begin: int, end: int) -> torch.Tensor:
-    """[end - begin] cache slots of positions begin..end-1 of one sequence."""
+def _slots(table: Sequence[int | None], block_size: int, begin: int, end: int) -> torch.Tensor:
+    """[end - begin] cache slots of positions begin..end-1 of one sequence, in its table (whose blocks before
+    ``begin``'s may be released: None)."""
     p = torch.arange(begin, end)
-    return torch.tensor(list(c.block_table[: -(-end // block_size)]), dtype=torch.long)[p // block_size] * block_size + p % block_size
+    blocks = torch.tensor([0 if b is None else b for b in table[: -(-end // block_size)]], dtype=torch.long)
+    return blocks[p // block_size] * block_size + p % block_size
 
 
 def _decode_pages(chunks: Sequence[SeqChunk], rows: Sequence[int], block_size: int, page_tokens: int, device,

@@ -16,6 +16,7 @@ from torch import nn
 
 from afd.config import RopeConfig, yarn_mscale
 from afd.kernels import ops as native_ops
+from afd.models.mxfp4 import dequantize_mxfp4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -199,8 +200,6 @@ class GroupedExperts(nn.Module):
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Local expert ``e``'s (gate_up [2I, H], down [H, I]) in the compute dtype."""
         if self.mxfp4:
-            from afd.models.mxfp4 import dequantize_mxfp4
-
             return (dequantize_mxfp4(self.gate_up_proj[e], self.gate_up_proj_scales[e], self.compute_dtype),
                     dequantize_mxfp4(self.down_proj[e], self.down_proj_scales[e], self.compute_dtype))
         if self.fp8_block is None:

@@ -30,7 +30,7 @@ class GQAttention(nn.Module):
         self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
         self.o_proj = Linear(self.num_heads * d, h, bias=bias and o_bias)
-        self.qk_norm = config.qk_norm and config.qk_norm_span
+        self.qk_norm = config.qk_norm_span if config.qk_norm else None  # "head", "all" or None
         if config.qk_norm:
             whole = config.qk_norm_span == "all"
             self.q_norm = RMSNorm(self.num_heads * d if whole else d, config.rms_norm_eps)
