@@ -88,8 +88,7 @@ class DisaggregatedRunner:
         self.model = model
         self.cache_config = cache
         self.device = model.model.embed_tokens.weight.device  # where the model was loaded; KV and metadata live there too
-        dtype = model.model.embed_tokens.weight.dtype
-        self.kv_cache = PagedKVCache(cache, model.config.num_layers, model.kv_layout(), dtype, self.device, model.config.sliding_layers)
+        self.kv_cache = PagedKVCache.for_model(model, cache, self.device)
         self.endpoint = endpoint
         self.topology = topology
         self.pipeline = pipeline
@@ -185,7 +184,7 @@ class DisaggregatedRunner:
                 c = chunks[span.seq]
                 first = offsets[span.seq] + span.start - c.start
                 rows.append(ids[first : first + span.length])
-                mb_chunks.append(SeqChunk(c.block_table, span.start, span.length, c.window_table))
+                mb_chunks.append(replace(c, start=span.start, length=span.length))
             meta = build_attention_metadata(mb_chunks, self.cache_config.block_size, self.device, windows=self.model.config.windows)
             mbs.append(_Microbatch(k, torch.cat(rows), meta))
         mbs += [_Microbatch(k, None, None) for k in range(len(mbs), step.num_microbatches)]

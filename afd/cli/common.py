@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from afd import env
-from afd.config import DEFAULT_FP8_MODE, DEFAULT_MXFP4_MODE, FP8_MODES, MXFP4_MODES, EngineArgs, Timeouts
+from afd.config import DEFAULT_FP8_MODE, DEFAULT_MXFP4_MODE, FP8_MODES, MXFP4_MODES, STATE_DTYPES, EngineArgs, Timeouts
 
 BUILTIN_MODEL = Path(__file__).resolve().parent.parent / "assets" / "models" / "tiny-shakespeare-moe"
 
@@ -56,6 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mxfp4-weights", choices=MXFP4_MODES, default=DEFAULT_MXFP4_MODE,
                    help="MXFP4 experts (gpt-oss): dequantize once at load into --dtype (default: faster), or keep the 4-bit "
                         "blocks in memory (about a quarter of bf16) and decode each expert inside the expert loop")
+    p.add_argument("--state-dtype", choices=STATE_DTYPES, default="float32",
+                   help="hybrid models (Qwen3-Next, Qwen3.5): the linear-attention layers' recurrent state in float32 "
+                        "(default, as transformers keeps it) or in the model's --dtype (half the state memory in bf16)")
     p.add_argument("--device", default="cpu",
                    help="monolithic runs: cpu (default), cuda:N or npu:N (disaggregated runs: --attention-devices / --ffn-devices)")
     p.add_argument("--ready-timeout", type=float, default=Timeouts.ready, metavar="S",
@@ -95,7 +98,8 @@ def engine_core_client(args: argparse.Namespace, model_dir: Path):
 def engine_args(args: argparse.Namespace) -> EngineArgs:
     """The engine flags, as one :class:`EngineArgs` (a launcher resolves what is left unset)."""
     return EngineArgs(args.dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
-                      args.max_step_memory, args.max_model_len, args.enable_prefix_caching, args.fp8_weights, args.mxfp4_weights)
+                      args.max_step_memory, args.max_model_len, args.enable_prefix_caching, args.fp8_weights, args.mxfp4_weights,
+                      args.state_dtype)
 
 
 def timeouts_from_args(args: argparse.Namespace) -> Timeouts:

@@ -11,23 +11,32 @@ FP8_MODES = ("dequantize", "keep")
 MXFP4_MODES = ("dequantize", "keep")  # gpt-oss's MXFP4 experts (afd/models/mxfp4.py)
 DEFAULT_MXFP4_MODE = "dequantize"
 DEFAULT_FP8_MODE = "dequantize"  # faster decode at batch 8 on the synthetic V3 (docs/benchmarks.md)
+#: the linear-attention layers' recurrent state: fp32 (as transformers and vLLM keep it), or the model's dtype
+STATE_DTYPES = ("float32", "model")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots per layer; a model with sliding
     windows (gpt-oss) may give its sliding layers a pool of ``num_window_blocks`` of their own (0: none,
-    they share the full pool)."""
+    they share the full pool). A model with linear-attention layers (Qwen3-Next) keeps ``num_state_slots``
+    fixed-size states beside the blocks, one per running sequence, the recurrent one in ``state_dtype``."""
 
     block_size: int = 16
     num_blocks: int = 256
     num_window_blocks: int = 0
+    num_state_slots: int = 0
+    state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
         _positive("num_blocks", self.num_blocks)
         if self.num_window_blocks < 0:
             raise ValueError(f"num_window_blocks must be >= 0, got {self.num_window_blocks}")
+        if self.num_state_slots < 0:
+            raise ValueError(f"num_state_slots must be >= 0, got {self.num_state_slots}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state dtype must be one of {', '.join(STATE_DTYPES)}; got {self.state_dtype!r}")
 
 
 MAX_LOGPROBS = 20
@@ -138,6 +147,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     fp8_weights: str = DEFAULT_FP8_MODE  # fp8 block-scaled checkpoints: dequantize at load | keep (afd/models/quant.py)
     mxfp4_weights: str = DEFAULT_MXFP4_MODE  # MXFP4 experts (gpt-oss): dequantize at load | keep (afd/models/mxfp4.py)
+    state_dtype: str = "float32"  # hybrid models: the linear layers' recurrent state (STATE_DTYPES)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -151,3 +161,5 @@ class EngineArgs:
             raise ValueError(f"--fp8-weights must be one of {', '.join(FP8_MODES)}, got {self.fp8_weights!r}")
         if self.mxfp4_weights not in MXFP4_MODES:
             raise ValueError(f"--mxfp4-weights must be one of {', '.join(MXFP4_MODES)}, got {self.mxfp4_weights!r}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"--state-dtype must be one of {', '.join(STATE_DTYPES)}, got {self.state_dtype!r}")

@@ -99,6 +99,39 @@ class DSAConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5-MoE) on ``layers``. Each sequence keeps, per layer,
+    a causal-convolution state (the last ``conv_kernel - 1`` inputs of the ``conv_dim`` channels q, k, v) and
+    a recurrent state ``[num_value_heads, key_head_dim, value_head_dim]`` updated by the gated delta rule.
+    ``num_value_heads`` may be a multiple of ``num_key_heads`` (q and k repeat). ``fused_projections``: the
+    checkpoint's projections are Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``, grouped per key head;
+    otherwise Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``."""
+
+    layers: tuple[int, ...]
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    fused_projections: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+            _positive(name, getattr(self, name))
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"linear_num_value_heads={self.num_value_heads} must be a multiple of linear_num_key_heads={self.num_key_heads}")
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: q, k and v."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """Routed experts, shared experts and the router of the MoE layers.
 
@@ -129,6 +162,10 @@ class MoEConfig:
     #: gpt-oss's clamped SwiGLU: (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l); None: silu(gate) * up
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    #: the shared experts' intermediate size when it is not ``num_shared_experts x intermediate_size`` (Qwen3-Next)
+    shared_size: int | None = None
+    #: Qwen3-Next, Qwen3.5: the shared expert's output is scaled by sigmoid(``shared_expert_gate`` . x)
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         _positive("num_experts", self.num_experts)
@@ -159,7 +196,7 @@ class MoEConfig:
 
     @property
     def shared_intermediate_size(self) -> int:
-        return self.intermediate_size * self.num_shared_experts
+        return self.shared_size if self.shared_size is not None else self.intermediate_size * self.num_shared_experts
 
 
 @dataclass(frozen=True)
@@ -193,6 +230,12 @@ class ModelConfig:
     sliding_window: int | None = None  # W: a sliding layer's query at i sees keys i-W+1..i
     sliding_layers: tuple[int, ...] = ()  # the layers that attend over the window only
     dsa: DSAConfig | None = None  # DeepSeek Sparse Attention over the MLA cache (DeepSeek-V3.2, GLM-5)
+    linear: LinearAttentionConfig | None = None  # Gated DeltaNet layers, which keep state, not KV (Qwen3-Next, Qwen3.5)
+    attention_output_gate: bool = False  # Qwen3-Next: q_proj also yields a gate; the output is scaled by its sigmoid
+    #: Qwen3-Next, Qwen3.5: every RMSNorm scales by (1 + w); the checkpoint stores w, afd holds 1 + w
+    zero_centred_norm: bool = False
+    #: where the language model's tensors live in the checkpoint (a multimodal release: ``model.language_model.``)
+    checkpoint_prefix: str = "model."
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"):
@@ -217,6 +260,12 @@ class ModelConfig:
             bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
             if bad:
                 raise ValueError(f"sliding layer indices {bad} outside [0, {self.num_layers})")
+        if self.linear is not None:
+            bad = [i for i in self.linear.layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"linear-attention layer indices {bad} outside [0, {self.num_layers})")
+            if len(self.linear.layers) == self.num_layers:
+                raise ValueError("every layer is linear attention: afd needs at least one full-attention layer")
 
     def window(self, layer: int) -> int:
         """The attention window of ``layer`` in tokens, the query included; 0: the whole context."""
@@ -226,6 +275,15 @@ class ModelConfig:
     def windows(self) -> tuple[int, ...]:
         """The distinct windows of the sliding layers (what a step's metadata pages apart)."""
         return (self.sliding_window,) if self.sliding_layers else ()
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether ``layer`` is Gated DeltaNet linear attention (its memory is a state slot, not KV)."""
+        return self.linear is not None and layer in self.linear.layers
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that cache KV per token (every layer but the linear-attention ones)."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear_layer(i))
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe.layers

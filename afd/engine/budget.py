@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from afd.config import ModelConfig
+from afd.models.gated_deltanet import CHUNK
 from afd.models.paged_attention import WORKSPACE_BYTES
 
 #: token caps are multiples of this, and never above the most a step may take
@@ -65,6 +66,11 @@ class StepBudget:
         if config.dsa is not None:  # a prefill query's selection: one byte per context position (its scores are tiled)
             per_token += max_model_len + 4 * config.dsa.index_heads * (1 + config.dsa.index_head_dim)
         context = max_model_len * b * (kv_per_token + min(decompressed, WORKSPACE_BYTES // (b * max_model_len)))
+        if config.linear is not None:  # Gated DeltaNet: its projections, fp32 heads and chunk matrices per token;
+            lin = config.linear  # a prefill chunk's state and a decode batch's gathered states (the torch path's)
+            heads = lin.num_value_heads
+            per_token += b * 2 * (lin.conv_dim + lin.value_dim) + 4 * heads * (3 * (2 * lin.key_head_dim + lin.value_head_dim) + 4 * CHUNK)
+            context += 4 * heads * lin.key_head_dim * lin.value_head_dim * (2 + 2 * max_num_seqs)
         logits = 4 * max_num_seqs * config.vocab_size * 4  # fp32 logits, processed copy, probabilities, logprobs
         # per (token, key) at the longest context: fp32 scores, probabilities and a mask per head, and a
         # decode token's gathered key (with an einsum's copy) and value
@@ -100,8 +106,33 @@ def kv_layer_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """One token's KV cache entries over every layer."""
-    return kv_layer_bytes(config, dtype) * config.num_layers
+    """One token's KV cache entries over every layer that caches KV."""
+    return kv_layer_bytes(config, dtype) * len(config.kv_layers)
+
+
+def state_slot_bytes(config: ModelConfig, dtype: torch.dtype, state_dtype: str = "float32") -> int:
+    """One sequence's state over the linear-attention layers (0 without them): the conv state in the model's
+    dtype, the recurrent state in ``state_dtype`` -- what the models' ``state_layout`` holds."""
+    lin = config.linear
+    if lin is None:
+        return 0
+    b = torch.empty((), dtype=dtype).element_size()
+    s = 4 if state_dtype == "float32" else b
+    return len(lin.layers) * (lin.conv_dim * (lin.conv_kernel - 1) * b + lin.num_value_heads * lin.key_head_dim * lin.value_head_dim * s)
+
+
+def state_slots(config: ModelConfig, dtype: torch.dtype, kv_cache_memory: int, max_num_seqs: int, state_dtype: str = "float32") -> int:
+    """State slots of a hybrid model (0 without linear-attention layers): one per sequence the engine may run,
+    taken from ``kv_cache_memory`` before its KV blocks, but never more than half of it (fewer slots bound
+    ``max_num_seqs`` instead)."""
+    per_slot = state_slot_bytes(config, dtype, state_dtype)
+    if not per_slot:
+        return 0
+    slots = min(max_num_seqs, kv_cache_memory // 2 // per_slot)
+    if slots < 1:
+        raise ValueError(f"kv cache memory {kv_cache_memory >> 20} MiB holds no sequence's linear-attention state "
+                         f"({per_slot / 2**20:.1f} MiB each, at most half the memory); raise --kv-cache-memory")
+    return int(slots)
 
 
 def window_pool_blocks(config: ModelConfig, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
@@ -124,9 +155,10 @@ def kv_pools(config: ModelConfig, dtype: torch.dtype, kv_cache_memory: int, bloc
     layer_block = kv_layer_bytes(config, dtype) * block_size
     windowed = len(config.sliding_layers) if window_blocks else 0
     rest = kv_cache_memory - window_blocks * layer_block * windowed
-    num_blocks = rest // (layer_block * (config.num_layers - windowed)) if rest > 0 else 0
+    layers = len(config.kv_layers)
+    num_blocks = rest // (layer_block * (layers - windowed)) if rest > 0 else 0
     if num_blocks < 1:
-        raise ValueError(f"kv cache memory {kv_cache_memory} B holds no block of {layer_block * config.num_layers} B "
+        raise ValueError(f"kv cache memory {kv_cache_memory} B holds no block of {layer_block * layers} B "
                          f"(a sliding-window pool takes {window_blocks * layer_block * windowed} B); raise --kv-cache-memory")
     return int(num_blocks)
 
@@ -142,23 +174,31 @@ class EngineLimits:
     budget: StepBudget
     model_max_len: int  # the model's own context (for the log line when capped)
     num_window_blocks: int = 0  # the sliding layers' own pool (gpt-oss), 0: none
+    num_state_slots: int = 0  # a hybrid model's linear-attention states, one per running sequence; 0: none
+    state_bytes: int = 0  # of all the state slots
 
     def describe(self) -> str:
         capped = f" (capped from the model's {self.model_max_len}: the KV cache holds no more)" if self.max_model_len < self.model_max_len else ""
         window = f" + {self.num_window_blocks} sliding-window blocks" if self.num_window_blocks else ""
+        state = f" + {self.num_state_slots} state slots, {self.state_bytes / 2**20:.1f} MiB" if self.num_state_slots else ""
         return (f"max_model_len {self.max_model_len}{capped}; step memory {self.max_step_memory >> 20} MiB -> "
                 f"max_num_batched_tokens {self.max_num_batched_tokens} ({self.budget.per_token / 1024:.1f} KiB per token, "
-                f"{self.budget.fixed >> 20} MiB fixed); KV cache {self.num_blocks} blocks{window}")
+                f"{self.budget.fixed >> 20} MiB fixed); KV cache {self.num_blocks} blocks{window}{state}")
 
 
 def engine_limits(config: ModelConfig, dtype: torch.dtype, kv_cache_memory: int, block_size: int, max_num_seqs: int,
                   max_model_len: int | None = None, max_step_memory: int | None = None,
-                  max_num_batched_tokens: int | None = None) -> EngineLimits:
+                  max_num_batched_tokens: int | None = None, state_dtype: str = "float32") -> EngineLimits:
     """The KV blocks, context and step budget of an engine from its flags. A context longer than the KV
     cache holds is capped to it (and said, by :meth:`EngineLimits.describe`); a missing step memory or
     token cap derives from the other, the step memory by default from the KV size. A model with sliding
     windows gets a pool for its sliding layers sized for every sequence at once (:func:`window_pool_blocks`);
-    the full layers take the rest, and the context is what they hold."""
+    the full layers take the rest, and the context is what they hold. A hybrid model's state slots
+    (:func:`state_slots`) come out of the memory first, and bound ``max_num_seqs``."""
+    slots = state_slots(config, dtype, kv_cache_memory, max_num_seqs, state_dtype)
+    state_bytes = slots * state_slot_bytes(config, dtype, state_dtype)
+    kv_cache_memory -= state_bytes
+    max_num_seqs = slots or max_num_seqs
     num_blocks = kv_pools(config, dtype, kv_cache_memory, block_size, 0)
     if max_model_len is not None and max_model_len > config.max_position_embeddings:
         raise ValueError(f"--max-model-len {max_model_len} is beyond the model's context of {config.max_position_embeddings} tokens")
@@ -170,7 +210,7 @@ def engine_limits(config: ModelConfig, dtype: torch.dtype, kv_cache_memory: int,
         num_blocks = kv_pools(config, dtype, kv_cache_memory, block_size, window_blocks)
         length = min(wanted, num_blocks * block_size)
         budget, memory, tokens = resolve(config, dtype, length, max_num_seqs, kv_cache_memory, max_step_memory, max_num_batched_tokens)
-    return EngineLimits(int(num_blocks), length, tokens, memory, budget, config.max_position_embeddings, window_blocks)
+    return EngineLimits(int(num_blocks), length, tokens, memory, budget, config.max_position_embeddings, window_blocks, slots, state_bytes)
 
 
 def resolve(config: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_seqs: int, kv_cache_memory: int,

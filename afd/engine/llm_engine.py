@@ -15,7 +15,7 @@ from tqdm import tqdm
 from afd.config import CacheConfig, EngineArgs, EngineConfig, SamplingParams
 from afd.engine.detokenizer import OutputText
 from afd.engine.request import Request, RequestOutput, Status, TokenDelta
-from afd.engine.budget import engine_limits, kv_layer_bytes, kv_pools, window_pool_blocks
+from afd.engine.budget import engine_limits, kv_bytes_per_token, kv_layer_bytes, kv_pools, state_slot_bytes, state_slots, window_pool_blocks
 from afd.engine.model_runner import ModelRunner, Runner
 from afd.engine.sampling import PROMPT_LOGITS_BYTES, PenaltyState, PositionLogprobs, logprobs_of, make_generator, sample
 from afd.engine.scheduler import Scheduler
@@ -28,17 +28,23 @@ log = logging.getLogger(__name__)
 
 
 def cache_config_for(model: MoEModel, kv_cache_memory: int, block_size: int, dtype: torch.dtype, max_num_seqs: int = 0,
-                     max_num_batched_tokens: int = 0, max_model_len: int | None = None) -> CacheConfig:
+                     max_num_batched_tokens: int = 0, max_model_len: int | None = None, state_dtype: str = "float32") -> CacheConfig:
     """The cache of ``kv_cache_memory`` bytes; with the step's limits given, a model with sliding windows
-    gets its window pool (:func:`afd.engine.budget.window_pool_blocks`), as :func:`engine_limits` sizes it."""
+    gets its window pool (:func:`afd.engine.budget.window_pool_blocks`), as :func:`engine_limits` sizes it,
+    and a hybrid model its state slots (:func:`afd.engine.budget.state_slots`) out of the same memory."""
     config = model.config
+    slots = state_slots(config, dtype, kv_cache_memory, max(max_num_seqs, 1), state_dtype)
+    probe = CacheConfig(block_size=block_size, num_blocks=1, num_state_slots=slots, state_dtype=state_dtype)
+    layers, linear = len(config.kv_layers), len(config.linear.layers) if config.linear else 0
+    if (PagedKVCache.bytes_per_block(probe, layers, model.kv_layout(), dtype) != kv_layer_bytes(config, dtype) * block_size * layers
+            or PagedKVCache.bytes_per_slot(probe, linear, model.state_layout(), dtype) != state_slot_bytes(config, dtype, state_dtype)):
+        raise AssertionError("afd/engine/budget.py counts another KV entry or state than the model's kv_layout and state_layout")
+    kv_cache_memory -= slots * state_slot_bytes(config, dtype, state_dtype)
+    max_num_seqs = slots or max_num_seqs
     window = window_pool_blocks(config, block_size, max_num_seqs, max_num_batched_tokens,
                                 max_model_len or config.max_position_embeddings) if max_num_seqs else 0
-    probe = CacheConfig(block_size=block_size, num_blocks=1)
-    if PagedKVCache.bytes_per_block(probe, config.num_layers, model.kv_layout(), dtype) != kv_layer_bytes(config, dtype) * block_size * config.num_layers:
-        raise AssertionError("afd/engine/budget.py counts another KV entry than the model's kv_layout")  # a family added without its budget
     return CacheConfig(block_size=block_size, num_blocks=kv_pools(config, dtype, kv_cache_memory, block_size, window),
-                       num_window_blocks=window)
+                       num_window_blocks=window, num_state_slots=slots, state_dtype=state_dtype)
 
 
 class LLMEngine:
@@ -51,9 +57,19 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.runner = runner or ModelRunner(model, config.cache, config.device)
-        self.blocks = make_blocks(config.cache.num_blocks, config.cache.block_size, config.enable_prefix_caching,
-                                  config.cache.num_window_blocks, model.config.sliding_window or 0)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        caching = config.enable_prefix_caching
+        if caching and model.config.linear is not None:
+            caching = False
+            dtype = model.model.embed_tokens.weight.dtype
+            tokens = state_slot_bytes(model.config, dtype, config.cache.state_dtype) // kv_bytes_per_token(model.config, dtype)
+            log.warning("prefix caching is off for %s (a hybrid model): a cached prefix must restore the linear-attention "
+                        "state at its end too, and one state snapshot costs as much memory as the KV of %d tokens, so one "
+                        "per %d-token block would outgrow the KV it saves (docs/user-guide.md)", model.config.architecture, tokens,
+                        config.cache.block_size)
+        self.blocks = make_blocks(config.cache.num_blocks, config.cache.block_size, caching,
+                                  config.cache.num_window_blocks, model.config.sliding_window or 0, config.cache.num_state_slots)
+        max_num_seqs = min(config.max_num_seqs, config.cache.num_state_slots or config.max_num_seqs)  # one slot per sequence
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -78,9 +94,10 @@ class LLMEngine:
         model, _ = load_model(model_dir, dtype=args.dtype, selection=WeightSelection.full(), device=device, fp8=args.fp8_weights, mxfp4=args.mxfp4_weights)
         model_dtype = model.model.embed_tokens.weight.dtype
         limits = engine_limits(model.config, model_dtype, args.kv_cache_memory, args.block_size, args.max_num_seqs, args.max_model_len,
-                               args.max_step_memory, args.max_num_batched_tokens)
+                               args.max_step_memory, args.max_num_batched_tokens, args.state_dtype)
         config = EngineConfig(
-            cache=CacheConfig(block_size=args.block_size, num_blocks=limits.num_blocks, num_window_blocks=limits.num_window_blocks),
+            cache=CacheConfig(block_size=args.block_size, num_blocks=limits.num_blocks, num_window_blocks=limits.num_window_blocks,
+                              num_state_slots=limits.num_state_slots, state_dtype=args.state_dtype),
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens,
             dtype="bfloat16" if model_dtype == torch.bfloat16 else "float32",

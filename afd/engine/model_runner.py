@@ -60,8 +60,7 @@ class ModelRunner:
         self.model = model
         self.cache_config = cache
         self.device = torch.device(device)
-        dtype = model.model.embed_tokens.weight.dtype
-        self.kv_cache = PagedKVCache(cache, model.config.num_layers, model.kv_layout(), dtype, self.device, model.config.sliding_layers)
+        self.kv_cache = PagedKVCache.for_model(model, cache, self.device)
 
     @torch.inference_mode()
     def run(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk], observer: Observer | None = None) -> torch.Tensor:

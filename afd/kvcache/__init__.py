@@ -3,7 +3,7 @@ the pooled cache tensors, per-step metadata."""
 
 from afd.kvcache.block_manager import BlockManager, OutOfBlocksError
 from afd.kvcache.cache import PagedKVCache
-from afd.kvcache.metadata import PAGE_TOKENS, AttentionMetadata, DecodePages, PrefillChunk, SeqChunk, build_attention_metadata, last_token_rows
+from afd.kvcache.metadata import PAGE_TOKENS, AttentionMetadata, DecodePages, PrefillChunk, SeqChunk, StateSlots, build_attention_metadata, last_token_rows
 from afd.kvcache.windowed import Prefix, WindowedBlocks, make_blocks
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "PagedKVCache",
     "Prefix",
     "SeqChunk",
+    "StateSlots",
     "WindowedBlocks",
     "make_blocks",
     "build_attention_metadata",

@@ -46,14 +46,21 @@ class BlockManager:
 
     A table may have holes (None): blocks no query will read again, given back by
     :meth:`release_before` (a sliding-window pool: :class:`afd.kvcache.WindowedBlocks`).
+
+    With ``num_state_slots`` (a model with linear-attention layers), every sequence also holds one state slot
+    from the sequence's first blocks to :meth:`free`: a sequence is admitted only when a slot is free too, and
+    a preempted one gives its slot back (its state is rebuilt from position 0 when it is recomputed).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False, num_state_slots: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.num_state_slots = num_state_slots
+        self._free_slots: deque[int] = deque(range(num_state_slots))
+        self._slot_of: dict[int, int] = {}  # sequence -> its state slot
         self._free: deque[int] = deque(range(num_blocks))  # hold nothing reusable
         self._tables: dict[int, list[int]] = {}
         self._refs = [0] * num_blocks
@@ -87,9 +94,15 @@ class BlockManager:
     def can_ensure(self, seq_id: int, num_tokens: int) -> bool:
         return self.num_new_blocks(seq_id, num_tokens) <= self.num_free_blocks
 
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
     def can_admit(self, num_tokens: int, prefix: Sequence[int] = (), skip: int = 0) -> bool:
         """Whether a new sequence starting on the cached ``prefix`` blocks (after ``skip`` holes) can hold
-        ``num_tokens``."""
+        ``num_tokens`` (and, with state slots, get one)."""
+        if self.num_state_slots and not self._free_slots:
+            return False
         reclaimed = sum(1 for b in prefix if b in self._evictable)  # attaching takes them out of the pool
         return self.blocks_for(num_tokens) - skip - len(prefix) <= self.num_free_blocks - reclaimed
 
@@ -112,9 +125,24 @@ class BlockManager:
                 f"sequence {seq_id} needs {need} more KV blocks for {num_tokens} tokens, "
                 f"{self.num_free_blocks} of {self.num_blocks} free; raise the KV cache size or lower the batch"
             )
-        table = self._tables.setdefault(seq_id, [])
+        table = self._tables.get(seq_id)
+        if table is None:
+            table = self._open(seq_id, [])
         table.extend(self._take() for _ in range(need))
         return table
+
+    def _open(self, seq_id: int, table: list) -> list:
+        """A new sequence's table, and its state slot when the model keeps state."""
+        if self.num_state_slots:
+            if not self._free_slots:
+                raise OutOfBlocksError(f"sequence {seq_id} needs a state slot; all {self.num_state_slots} are held")
+            self._slot_of[seq_id] = self._free_slots.popleft()
+        self._tables[seq_id] = table
+        return table
+
+    def state_slot(self, seq_id: int) -> int | None:
+        """The sequence's state slot (None: the model keeps no state)."""
+        return self._slot_of.get(seq_id)
 
     def holds(self, seq_id: int) -> bool:
         return seq_id in self._tables
@@ -131,7 +159,7 @@ class BlockManager:
 
     def chunk(self, seq_id: int, start: int, length: int) -> SeqChunk:
         """The step's share of ``seq_id``: ``length`` tokens after ``start``, on its tables."""
-        return SeqChunk(self.table(seq_id), start, length, self.window_table(seq_id))
+        return SeqChunk(self.table(seq_id), start, length, self.window_table(seq_id), self.state_slot(seq_id))
 
     def advance(self, seq_id: int, start: int) -> None:
         """``seq_id``'s next step computes from ``start``: what no query will read again may go. Here every
@@ -165,6 +193,8 @@ class BlockManager:
         except KeyError:
             raise KeyError(f"sequence {seq_id} holds no KV blocks (double free?)") from None
         self._chains.pop(seq_id, None)
+        if seq_id in self._slot_of:
+            self._free_slots.append(self._slot_of.pop(seq_id))
         for block in reversed(table):  # a chain's tail is evicted before its head
             if block is not None:
                 self._drop(block)
@@ -203,11 +233,11 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id} already holds KV blocks")
         if not prefix:
             return
+        self._open(seq_id, [None] * skip + list(prefix))
         for block in prefix:
             if self._refs[block] == 0:
                 del self._evictable[block]
             self._refs[block] += 1
-        self._tables[seq_id] = [None] * skip + list(prefix)
         self._chains[seq_id] = list(names) if names is not None else [self._key_of[b][0] for b in prefix]
 
     def needs_commit(self, seq_id: int, num_computed: int) -> bool:
@@ -245,3 +275,8 @@ class BlockManager:
         assert len(free) + len(evictable) + len(held) == self.num_blocks, "a block is lost"
         assert evictable <= self._key_of.keys() and not (free & self._key_of.keys())
         assert all(self._block_of[k[0]] == b for b, k in self._key_of.items())
+        slots = list(self._slot_of.values())
+        assert self._slot_of.keys() <= self._tables.keys(), "a freed sequence still holds a state slot"
+        assert len(set(slots)) == len(slots) and not set(slots) & set(self._free_slots), "a state slot is held twice"
+        assert len(slots) + len(self._free_slots) == self.num_state_slots, "a state slot is lost"
+        assert not self.num_state_slots or len(slots) == len(self._tables), "a sequence holds no state slot"

@@ -20,12 +20,15 @@ PAGE_TOKENS = 128
 class SeqChunk:
     """One sequence's share of a batch: ``length`` new tokens after ``start`` cached ones. ``window_table``:
     its blocks in the sliding-window pool (None entries: released, behind every window), which the sliding
-    layers read and write instead of ``block_table``; None where one pool serves every layer."""
+    layers read and write instead of ``block_table``; None where one pool serves every layer. ``state_slot``: the
+    sequence's slot in the state cache of a model with linear-attention layers (afd/kvcache/state.py); None: it
+    has none."""
 
     block_table: Sequence[int]
     start: int
     length: int
     window_table: Sequence[int | None] | None = None
+    state_slot: int | None = None
 
     @property
     def end(self) -> int:
@@ -88,6 +91,20 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class StateSlots:
+    """The state slot of each sequence of a step, for the linear-attention layers (afd/models/gated_deltanet.py).
+
+    decode_slots  [D] int64  the slot of each decode token (``decode.rows`` order); None: no decode tokens
+    decode_fresh  [D] bool   the token is its sequence's position 0: the slot's old contents are not read
+    prefill_slots  the slot of each of ``prefills`` (a chunk starting at position 0 starts fresh too)
+    """
+
+    decode_slots: torch.Tensor | None
+    decode_fresh: torch.Tensor | None
+    prefill_slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Where a flat batch of T tokens from S sequences reads and writes KV, with nothing padded:
 
@@ -112,6 +129,7 @@ class AttentionMetadata:
     windowed: tuple[tuple[int, DecodePages], ...] = ()
     layer_state: dict[str, Any] = field(default_factory=dict, compare=False)
     window_slot_mapping: torch.Tensor | None = None
+    state: StateSlots | None = None
 
     def slots_for(self, window: int) -> torch.Tensor:
         """Where a layer of this window writes the step's KV."""
@@ -167,6 +185,7 @@ def build_attention_metadata(chunks: Sequence[SeqChunk], block_size: int, device
     windowed = tuple((w, _decode_pages(window_chunks, decode_rows, block_size, page_tokens, device, w))
                      for w in sorted(set(windows)) if decoding)
     return AttentionMetadata(
+        state=_state_slots(chunks, device),
         positions=positions_t.to(device),
         slot_mapping=slot_mapping.to(device),
         last_token=(torch.cumsum(lengths, 0) - 1).to(device),
@@ -175,6 +194,18 @@ def build_attention_metadata(chunks: Sequence[SeqChunk], block_size: int, device
         windowed=windowed,
         window_slot_mapping=window_mapping,
     )
+
+
+def _state_slots(chunks: Sequence[SeqChunk], device) -> StateSlots | None:
+    held = [c.state_slot is not None for c in chunks]
+    if not any(held):
+        return None
+    if not all(held):
+        raise ValueError("a model with state slots needs the slot of every chunk of the step")
+    decoding = [c for c in chunks if c.length == 1]
+    slots = torch.tensor([c.state_slot for c in decoding], dtype=torch.long, device=device) if decoding else None
+    fresh = torch.tensor([c.start == 0 for c in decoding], dtype=torch.bool, device=device) if decoding else None
+    return StateSlots(slots, fresh, tuple(c.state_slot for c in chunks if c.length > 1))
 
 
 def _slot_mapping(tables: Sequence[Sequence[int | None]], chunks: Sequence[SeqChunk], block_size: int) -> torch.Tensor:

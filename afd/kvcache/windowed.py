@@ -84,7 +84,7 @@ class WindowedBlocks:
         return self.window.table(seq_id)
 
     def chunk(self, seq_id: int, start: int, length: int) -> SeqChunk:
-        return SeqChunk(self.full.table(seq_id), start, length, self.window.table(seq_id))
+        return SeqChunk(self.full.table(seq_id), start, length, self.window.table(seq_id), self.full.state_slot(seq_id))
 
     def advance(self, seq_id: int, start: int) -> None:
         if self.window.holds(seq_id):
@@ -139,9 +139,10 @@ class WindowedBlocks:
 
 
 def make_blocks(num_blocks: int, block_size: int, enable_caching: bool, num_window_blocks: int = 0,
-                window: int = 0) -> BlockManager | WindowedBlocks:
-    """One pool, or the full and window pools of a model whose sliding layers have a pool of their own."""
-    full = BlockManager(num_blocks, block_size, enable_caching)
+                window: int = 0, num_state_slots: int = 0) -> BlockManager | WindowedBlocks:
+    """One pool, or the full and window pools of a model whose sliding layers have a pool of their own; the
+    full pool hands out the state slots of a model with linear-attention layers."""
+    full = BlockManager(num_blocks, block_size, enable_caching, num_state_slots)
     if not num_window_blocks:
         return full
     return WindowedBlocks(full, BlockManager(num_window_blocks, block_size, enable_caching), window)

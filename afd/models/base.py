@@ -104,6 +104,8 @@ class MoEBlock(nn.Module):
         self.shared_experts = (
             GatedMLP(config.hidden_size, moe.shared_intermediate_size) if moe.num_shared_experts else None
         )
+        if moe.shared_expert_gate:  # Qwen3-Next: the shared expert's output times sigmoid(gate . x)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
 
 
 class DecoderLayer(nn.Module):
@@ -150,11 +152,24 @@ class MoEModel(nn.Module):
     stacked_experts: bool = False
 
     def checkpoint_name(self, name: str) -> str:
-        """The checkpoint tensor that fills afd's parameter ``name`` (afd's names follow the Hugging Face ones)."""
+        """The checkpoint tensor that fills afd's parameter ``name`` (afd's names follow the Hugging Face ones;
+        a multimodal release keeps the language model under its own prefix)."""
+        prefix = self.config.checkpoint_prefix
+        if prefix != "model." and name.startswith("model."):
+            name = prefix + name.removeprefix("model.")
         for ours, theirs in self.checkpoint_renames:
             if ours in name:
                 return name.replace(ours, theirs)
         return name
+
+    def load_convert(self, name: str) -> str | None:
+        """How the checkpoint's tensor becomes parameter ``name`` (a key of ``afd.models.loader``'s converts);
+        None: as stored."""
+        return None
+
+    def state_layout(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of what one sequence keeps per linear-attention layer (its state slot); () without such layers."""
+        return ()
 
     def make_attention(self, layer: int) -> nn.Module:
         raise NotImplementedError
@@ -224,10 +239,13 @@ class MoEModel(nn.Module):
         return experts(ffn_input, routing.topk_ids, routing.topk_weights)
 
     def shared_experts(self, layer: int, ffn_input: torch.Tensor) -> torch.Tensor | None:
-        shared = self._moe(layer).shared_experts
+        block = self._moe(layer)
+        shared = block.shared_experts
         if shared is None:
             return None
         self._check_loaded(next(shared.parameters()), "shared expert")
+        if self.config.moe.shared_expert_gate:
+            return torch.sigmoid(block.shared_expert_gate(ffn_input)) * shared(ffn_input)
         return shared(ffn_input)
 
     def dense_mlp(self, layer: int, ffn_input: torch.Tensor) -> torch.Tensor:

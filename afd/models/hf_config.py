@@ -15,7 +15,7 @@ from typing import Any
 
 from dataclasses import replace
 
-from afd.config import DSAConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig
+from afd.config import DSAConfig, LinearAttentionConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -32,6 +32,9 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",  # the release: a vision tower beside the language model
 }
 
 
@@ -65,6 +68,10 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         return _parse_minimax_m2(raw)
     if model_type == "gpt_oss":
         return _parse_gpt_oss(raw)
+    if model_type in ("qwen3_next", "qwen3_5_moe_text"):
+        return _parse_hybrid(raw, next_layout=model_type == "qwen3_next")
+    if model_type == "qwen3_5_moe":
+        return _parse_multimodal(raw)
     return _parse_qwen3_moe(raw)
 
 
@@ -277,6 +284,51 @@ def _parse_gpt_oss(raw: dict[str, Any]) -> ModelConfig:
     return ModelConfig(architecture="GptOssForCausalLM", **common, head_dim=head_dim, rope=_rope(raw, head_dim, interleaved=False),
                        moe=moe, attention_sinks=True, sliding_window=raw.get("sliding_window") or 128,
                        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"))
+
+
+def _parse_hybrid(raw: dict[str, Any], next_layout: bool) -> ModelConfig:
+    """Qwen3-Next and Qwen3.5-MoE's language model: Gated DeltaNet layers and gated full attention, as
+    ``layer_types`` names them (else every ``full_attention_interval``-th layer is full); zero-centred norms;
+    partial rotary (M-RoPE's sections collapse to plain rotary for text, whose three position ids are equal);
+    softmax top-k routing plus a sigmoid-gated shared expert. Qwen3-Next may have dense layers
+    (``mlp_only_layers``, ``decoder_sparse_step``); Qwen3.5 is MoE on every layer."""
+    family = "Qwen3-Next" if next_layout else "Qwen3.5-MoE"
+    num_layers, head_dim = raw["num_hidden_layers"], _head_dim(raw)
+    interval = raw.get("full_attention_interval") or 4
+    types = raw.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if len(types) != num_layers or set(types) - {"linear_attention", "full_attention"}:
+        raise UnsupportedArchitectureError(f"{family} layer_types must name {num_layers} layers, each linear_attention or "
+                                           f"full_attention; got {types}")
+    linear = LinearAttentionConfig(
+        layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+        num_key_heads=raw["linear_num_key_heads"], num_value_heads=raw["linear_num_value_heads"],
+        key_head_dim=raw["linear_key_head_dim"], value_head_dim=raw["linear_value_head_dim"],
+        conv_kernel=raw.get("linear_conv_kernel_dim", 4), fused_projections=next_layout)
+    num_experts = raw.get("num_experts") or 0
+    if not num_experts:
+        raise UnsupportedArchitectureError(f"{family} config without num_experts is a dense model; afd serves MoE models")
+    only_mlp, step = set(raw.get("mlp_only_layers") or []), raw.get("decoder_sparse_step", 1) or 1
+    moe_layers = tuple(i for i in range(num_layers) if i not in only_mlp and (i + 1) % step == 0) if next_layout else tuple(range(num_layers))
+    shared = raw.get("shared_expert_intermediate_size") or 0
+    moe = MoEConfig(num_experts=num_experts, top_k=raw["num_experts_per_tok"], intermediate_size=raw["moe_intermediate_size"],
+                    layers=moe_layers, norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if next_layout else True,
+                    num_shared_experts=1 if shared else 0, shared_size=shared or None, shared_expert_gate=bool(shared))
+    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
+    common = _common({"intermediate_size": raw.get("intermediate_size") or raw["moe_intermediate_size"], **raw})
+    return ModelConfig(architecture="Qwen3NextForCausalLM" if next_layout else "Qwen3_5MoeForCausalLM", **common, head_dim=head_dim,
+                       rope=_rope({**raw, "rope_parameters": params}, int(head_dim * partial), interleaved=False), moe=moe,
+                       qk_norm=True, linear=linear, attention_output_gate=True, zero_centred_norm=True)
+
+
+def _parse_multimodal(raw: dict[str, Any]) -> ModelConfig:
+    """Qwen3.5-MoE as released (``Qwen3_5MoeForConditionalGeneration``): a text engine serves its language model,
+    ``text_config``, whose tensors live under ``model.language_model.``; the vision tower is not loaded."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedArchitectureError("a qwen3_5_moe checkpoint without text_config: afd serves its language model")
+    inherited = {k: raw[k] for k in ("tie_word_embeddings", "eos_token_id", "bos_token_id") if k in raw and k not in text}
+    return replace(_parse_hybrid({**inherited, **text}, next_layout=False), checkpoint_prefix="model.language_model.")
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:

@@ -25,6 +25,7 @@ from afd.models.hf_config import load_model_config, read_config_json
 from afd.models.layers import GroupedExperts
 from afd.models.mxfp4 import DEFAULT_MXFP4_MODE, MXFP4_MODES, dequantize_mxfp4, is_mxfp4
 from afd.models.quant import SCALE_SUFFIX, Fp8Linear, dequantize, fp8_format
+from afd.models.weight_plan import CONVERTS, category, plan_copies, skipped_tensors
 from afd.models.registry import model_class
 
 log = logging.getLogger(__name__)
@@ -84,38 +85,8 @@ class LoadReport:
     dtype: torch.dtype
     fp8: str | None = None  # how fp8 block-scaled weights were loaded (dequantize | keep); None: none were
     skipped_mtp: int = 0  # tensors of multi-token-prediction layers left unread
+    skipped_vision: int = 0  # tensors of a multimodal release's vision tower left unread
     mxfp4: str | None = None  # how MXFP4 experts were loaded (dequantize); None: none were
-
-
-@dataclass(frozen=True, slots=True)
-class _Copy:
-    """Copy checkpoint tensor ``source`` (``source[expert]`` when the checkpoint stacks every expert in one
-    tensor), after ``convert`` (a name in :data:`_CONVERTS`), into ``param[index][rows]``."""
-
-    source: str
-    param: str
-    index: int | None = None
-    rows: slice | None = None
-    expert: int | None = None
-    convert: str | None = None
-    scales: str | None = None  # MXFP4: ``source`` holds the blocks, this tensor their scales (afd/models/mxfp4.py)
-
-
-def _deinterleave(w: torch.Tensor) -> torch.Tensor:
-    """[..., 2I] with gate and up interleaved (even columns gate, odd up) -> [..., 2I] gate first."""
-    return torch.cat((w[..., 0::2], w[..., 1::2]), dim=-1)
-
-
-#: how a stored tensor becomes afd's layout, and the stored shape of afd's shape ``want``
-_CONVERTS = {
-    # gpt-oss: gate_up_proj [H, 2I] interleaved -> [2I, H] gate rows first; its bias [2I] likewise
-    "interleaved_t": (lambda w: _deinterleave(w).t(), lambda want: (want[1], want[0])),
-    "interleaved": (_deinterleave, lambda want: want),
-    # gpt-oss: down_proj [I, H] -> [H, I]
-    "t": (lambda w: w.t(), lambda want: (want[1], want[0])),
-    # gpt-oss's MXFP4 gate_up, decoded: [2I, H] with gate and up rows interleaved -> gate rows first
-    "rows_interleaved": (lambda w: torch.cat((w[0::2], w[1::2])), lambda want: want),
-}
 
 
 def resolve_dtype(dtype: str | torch.dtype, raw_config: dict) -> torch.dtype:
@@ -127,50 +98,6 @@ def resolve_dtype(dtype: str | torch.dtype, raw_config: dict) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
     return DTYPES[dtype]
-
-
-def _category(param: str) -> str:
-    if ".mlp.experts." in param:
-        return "experts"
-    if ".mlp.shared_experts." in param:
-        return "shared_experts"
-    if param.endswith((".mlp.gate.weight", ".mlp.gate.bias", ".mlp.gate.e_score_correction_bias")):
-        return "routers"
-    if ".mlp." in param:
-        return "dense_mlp"
-    return "attention"
-
-
-def _plan(model: MoEModel, expert_ids: Iterable[int], mxfp4: bool = False) -> list[_Copy]:
-    """Every copy needed to fill ``model``'s parameters, routed experts expanded to ``expert_ids``, named as
-    the family's checkpoints name them (:meth:`MoEModel.checkpoint_name`, :attr:`MoEModel.expert_tensors`);
-    ``mxfp4``: the stacked experts' weights are MXFP4 blocks and scales."""
-    inter = model.config.moe.intermediate_size
-    ids = list(expert_ids)
-    gate_name, up_name, down_name = model.expert_tensors
-    plan: list[_Copy] = []
-    for name, _ in model.named_parameters():
-        source = model.checkpoint_name(name)
-        if model.stacked_experts and ".mlp.experts." in name:  # one tensor holds every expert: read each held one's row
-            attr = name.rpartition(".")[2]
-            if mxfp4 and attr in ("gate_up_proj", "down_proj"):
-                convert = "rows_interleaved" if attr == "gate_up_proj" else None
-                plan.extend(_Copy(f"{source}_blocks", name, local, expert=e, convert=convert, scales=f"{source}_scales")
-                            for local, e in enumerate(ids))
-                continue
-            convert = {"gate_up_proj": "interleaved_t", "gate_up_proj_bias": "interleaved", "down_proj": "t"}.get(attr)
-            plan.extend(_Copy(source, name, local, expert=e, convert=convert) for local, e in enumerate(ids))
-        elif name.endswith("mlp.experts.gate_up_proj"):
-            prefix = source.removesuffix("gate_up_proj")
-            for local, e in enumerate(ids):
-                plan.append(_Copy(f"{prefix}{e}.{gate_name}.weight", name, local, slice(0, inter)))
-                plan.append(_Copy(f"{prefix}{e}.{up_name}.weight", name, local, slice(inter, 2 * inter)))
-        elif name.endswith("mlp.experts.down_proj"):
-            prefix = source.removesuffix("down_proj")
-            plan.extend(_Copy(f"{prefix}{e}.{down_name}.weight", name, local) for local, e in enumerate(ids))
-        else:
-            plan.append(_Copy(source, name))
-    return plan
 
 
 def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -189,12 +116,6 @@ def _target_dtype(model: MoEModel, name: str, dtype: torch.dtype) -> torch.dtype
 def build_meta_model(config: ModelConfig, expert_ids: Iterable[int] | None = None) -> MoEModel:
     with torch.device("meta"):
         return model_class(config.architecture)(config, expert_ids=None if expert_ids is None else list(expert_ids))
-
-
-def _mtp_tensors(names: Iterable[str], config: ModelConfig) -> set[str]:
-    """Tensors of the checkpoint's multi-token-prediction layers (``model.layers.{num_layers + i}.*``)."""
-    mtp = {f"model.layers.{config.num_layers + i}." for i in range(config.num_mtp_layers)}
-    return {n for n in names if n.startswith(tuple(mtp))} if mtp else set()
 
 
 def load_model(
@@ -227,18 +148,18 @@ def load_model(
     model = build_meta_model(config, held)
     reader = CheckpointReader(model_dir)
 
-    full_plan = _plan(build_meta_model(config), range(config.moe.num_experts), mxfp4)
+    full_plan = plan_copies(build_meta_model(config), range(config.moe.num_experts), mxfp4)
     expected = {c.source for c in full_plan} | {c.scales for c in full_plan if c.scales}
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
     available = reader.names()
     if fmt is not None:
         expected |= {n for n in available if n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) in expected}
-    mtp = _mtp_tensors(available, config)
-    if mtp:
-        log.info("skipping %d multi-token-prediction layer(s) (num_nextn_predict_layers=%d): %d tensors not loaded",
-                 config.num_mtp_layers, config.num_mtp_layers, len(mtp))
-    unexpected = sorted(n for n in available - expected - mtp if not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight")
+    skipped = skipped_tensors(available, config)
+    for what, names in skipped.items():
+        log.info("skipping the %s: %d tensors not loaded", what, len(names))
+    mtp = skipped.get("multi-token-prediction", set())
+    unexpected = sorted(n for n in available - expected - set().union(*skipped.values()) if not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight")
     if unexpected:
         raise CheckpointError(
             f"{len(unexpected)} unexpected tensors in {model_dir} for {config.architecture}: "
@@ -252,7 +173,7 @@ def load_model(
         "shared_experts": selection.shared_experts,
         "experts": True,
     }
-    plan = [c for c in _plan(model, held, mxfp4) if wanted[_category(c.param)]]
+    plan = [c for c in plan_copies(model, held, mxfp4) if wanted[category(c.param)]]
     if config.tie_word_embeddings and "lm_head.weight" not in available:
         plan = [replace(c, source="model.embed_tokens.weight") if c.source == "lm_head.weight" else c for c in plan]
     missing = sorted({n for c in plan for n in (c.source, c.scales) if n and n not in available})
@@ -269,7 +190,7 @@ def load_model(
             want = (c.rows.stop - c.rows.start, *want[1:])
         got = reader.shape(c.source)
         if c.convert is not None:
-            want = tuple(_CONVERTS[c.convert][1](want))
+            want = tuple(CONVERTS[c.convert][1](want))
         if c.scales is not None:  # MXFP4: [rows, cols] as blocks [rows, cols / 32, 16] and scales [rows, cols / 32]
             if want[-1] % 32:
                 raise CheckpointError(f"{c.param}: {want[-1]} columns are not whole MXFP4 groups of 32")
@@ -310,7 +231,7 @@ def load_model(
         if c.scales is not None:
             value = dequantize_mxfp4(value, reader.read(c.scales, c.expert), torch.float32)
         if c.convert is not None:
-            value = _CONVERTS[c.convert][0](value)
+            value = CONVERTS[c.convert][0](value)
         if is_q:
             scale = reader.read(c.source + SCALE_SUFFIX)
             if keep:
@@ -335,6 +256,7 @@ def load_model(
         dtype=target,
         fp8=fp8 if quantized else None,
         skipped_mtp=len(mtp),
+        skipped_vision=len(skipped.get("vision tower", ())),
         mxfp4=mxfp4_mode if mxfp4 else None,
     )
     log.info("loaded %d tensors (%.1f MB) from %s as %s%s", len(plan), report.bytes_read / 1e6, model_dir, target,

@@ -20,13 +20,15 @@ class GQAttention(nn.Module):
     ``config.qk_norm_span`` "head" normalises each head of q and k (Qwen3, GLM); "all" normalises the whole
     q and k projections before they are cut into heads (MiniMax-M2). ``config.attention_sinks`` adds one
     learned logit per head to the softmax (gpt-oss); ``config.window(layer)`` > 0 limits the layer to a
-    sliding window."""
+    sliding window. ``config.attention_output_gate`` (Qwen3-Next): q_proj yields each head's query then its gate,
+    and the output is scaled by sigmoid(gate) before o_proj."""
 
     def __init__(self, config: ModelConfig, layer: int = 0, o_bias: bool = True) -> None:
         super().__init__()
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = Linear(h, self.num_heads * d, bias=bias)
+        self.output_gate = config.attention_output_gate
+        self.q_proj = Linear(h, self.num_heads * d * (2 if self.output_gate else 1), bias=bias)
         self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
         self.o_proj = Linear(self.num_heads * d, h, bias=bias and o_bias)
@@ -51,9 +53,12 @@ class GQAttention(nn.Module):
     ) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q, k = self.q_proj(x), self.k_proj(x)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(t, self.num_heads, 2 * d).split(d, dim=-1)
         if self.qk_norm == "all":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d)
+        q, k = q.reshape(t, self.num_heads, d), k.view(t, self.num_kv_heads, d)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)  # [T, nh, d], [T, nkv, d]
@@ -75,7 +80,10 @@ class GQAttention(nn.Module):
             slots = chunk.window_slots if self.window and chunk.window_slots is not None else chunk.slots[first:]
             out[rows] = prefill_attention(q[rows], gather(k_cache, slots), gather(v_cache, slots), chunk.start, self.scale,
                                           self.window, sinks, first)
-        return self.o_proj(out.reshape(t, self.num_heads * d))
+        out = out.reshape(t, self.num_heads * d)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(t, self.num_heads * d))
+        return self.o_proj(out)
 
 
 class Qwen3MoeModel(MoEModel):

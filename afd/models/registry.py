@@ -8,6 +8,7 @@ from afd.models.glm4_moe import Glm4MoeModel
 from afd.models.gpt_oss import GptOssModel
 from afd.models.minimax_m2 import MiniMaxM2Model
 from afd.models.qwen3_moe import Qwen3MoeModel
+from afd.models.qwen3_next import Qwen3NextModel
 
 MODEL_CLASSES: dict[str, type[MoEModel]] = {
     "DeepseekV2ForCausalLM": DeepseekV2Model,
@@ -18,6 +19,8 @@ MODEL_CLASSES: dict[str, type[MoEModel]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeModel,
     "MiniMaxM2ForCausalLM": MiniMaxM2Model,
     "GptOssForCausalLM": GptOssModel,
+    "Qwen3NextForCausalLM": Qwen3NextModel,
+    "Qwen3_5MoeForCausalLM": Qwen3NextModel,
 }
 
 

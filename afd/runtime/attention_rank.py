@@ -50,7 +50,8 @@ def attention_main(spec: RankSpec, conn, hub) -> None:
     mailbox.start_heartbeats(timeouts.heartbeat, timeouts.hang)  # a restart beats while it waits
     e = spec.engine
     dtype = model.model.embed_tokens.weight.dtype
-    cache = cache_config_for(model, e.kv_cache_memory, e.block_size, dtype, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len)
+    cache = cache_config_for(model, e.kv_cache_memory, e.block_size, dtype, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len,
+                             e.state_dtype)
     plane = None
     if spec.steps is not None:
         members = () if rejoining else range(t.num_attention_ranks)

@@ -129,7 +129,7 @@ class Launcher:
         self.placement_version = 0  # of self.placement: a rebalance counts it up
         dtype = resolve_dtype(engine.dtype, json.loads((self.model_dir / "config.json").read_text()))
         self.limits = engine_limits(config, dtype, engine.kv_cache_memory, engine.block_size, engine.max_num_seqs, engine.max_model_len,
-                                    engine.max_step_memory, engine.max_num_batched_tokens)  # once, for every rank and the links
+                                    engine.max_step_memory, engine.max_num_batched_tokens, engine.state_dtype)  # once, for every rank
         self.engine = replace(engine, max_num_batched_tokens=self.limits.max_num_batched_tokens,
                               max_step_memory=self.limits.max_step_memory, max_model_len=self.limits.max_model_len)
         local = self.local_ranks()  # devices are checked on the host that runs them
