@@ -73,11 +73,12 @@ def checkpoints(tmp_path_factory):
         (support.MINIMAX_CASES, support.minimax_m2_config, 40),
         (support.GPT_OSS_CASES, support.gpt_oss_config, 50),
         (support.DSA_CASES, support.dsa_config, 60),
+        (support.HYBRID_CASES, support.hybrid_config, 70),
     ]
     for cases, config, first_seed in families:
         for seed, (name, overrides) in enumerate(cases.items(), start=first_seed):
             hf = support.build_hf_model(config(**overrides), seed=seed)
             hub = name == "ds-qlora-grouped-yarn"  # legacy hub config.json + sharded safetensors
             out[name] = (support.save_checkpoint(hf, root / name, max_shard_size="100KB" if hub else None, hub_style=hub,
-                                                 with_mtp=name == "dsv3-grouped-yarn"), hf)
+                                                 with_mtp=name in ("dsv3-grouped-yarn", "qwen35-moe-vl")), hf)
     return out

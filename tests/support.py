@@ -99,6 +99,17 @@ GPT_OSS_CASES = {
     "gptoss-window3": dict(sliding_window=3, layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"]),
 }
 
+HYBRID_CASES = {
+    # Qwen3.5-MoE's language model: 4 value heads over 2 key heads, layer_types with layer 2 full, a gated shared expert
+    "qwen35-moe": dict(layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"]),
+    # the release's multimodal layout (text_config, model.language_model.*, a vision tower, mtp.* tensors), M-RoPE
+    # sections over the rotated channels; layer kinds from the default full_attention_interval (every 4th)
+    "qwen35-moe-vl": dict(multimodal=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                                            "mrope_section": [1, 1, 0], "mrope_interleaved": True}),
+    # Qwen3-Next: fused in_proj_qkvz / in_proj_ba grouped per key head, 3 value heads per key head, a dense layer
+    "qwen3-next": dict(next=True, linear_num_value_heads=6, mlp_only_layers=[1], full_attention_interval=2),
+}
+
 #: what every tiny test model shares (decisive init: see the module docstring)
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
             max_position_embeddings=256, initializer_range=0.15, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
@@ -159,11 +170,37 @@ def gpt_oss_config(**overrides):
                            "intermediate_size": 32, **overrides})
 
 
+def hybrid_config(next: bool = False, multimodal: bool = False, **overrides):
+    """Qwen3.5-MoE (its language model, or with ``multimodal`` the released ConditionalGeneration layout) or
+    Qwen3-Next, small: Gated DeltaNet layers beside full attention."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig, Qwen3NextConfig
+
+    text = {**TINY, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+            "shared_expert_intermediate_size": 48, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8, **overrides}
+    if next:
+        return Qwen3NextConfig(**text)
+    if multimodal:
+        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=TINY["hidden_size"])
+        return Qwen3_5MoeConfig(text_config=text, vision_config=vision, initializer_range=TINY["initializer_range"],
+                                tie_word_embeddings=False)
+    return Qwen3_5MoeTextConfig(**text)
+
+
+def hf_layers(hf_model):
+    """The decoder layers of a transformers model (a multimodal one's language model's)."""
+    inner = hf_model.model
+    return inner.language_model.layers if hasattr(inner, "language_model") else inner.layers
+
+
 def build_hf_model(config, seed: int = 0):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if config.model_type == "qwen3_5_moe":
+        model = Qwen3_5MoeForConditionalGeneration(config).to(torch.float32).eval()
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     for name, p in model.named_parameters():
         if name.endswith("gate.weight"):
             assert p.std() > 0.05, f"{name} is not initialised decisively"
@@ -177,6 +214,8 @@ def build_hf_model(config, seed: int = 0):
                 p.copy_(torch.randn(p.shape, generator=gen) * 1.5)
             elif name.endswith(("mlp.router.bias", "experts.gate_up_proj_bias", "experts.down_proj_bias")):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            elif name.endswith("norm.weight") and "qwen3_" in config.model_type and "visual" not in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.3)  # zero-centred norms start at 0: make 1 + w matter
     return model
 
 
@@ -217,7 +256,11 @@ def save_checkpoint(model, model_dir: Path, max_shard_size: str | None = None, h
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(model_dir, **kwargs)
     write_tokenizer(model_dir)
-    if with_mtp:
+    if with_mtp and model.config.model_type.startswith("qwen3_"):  # Qwen's mtp.* tensors, as Qwen3.5 and Qwen3-Next ship them
+        h = model.config.get_text_config().hidden_size
+        save_file({"mtp.fc.weight": torch.randn(h, 2 * h), "mtp.norm.weight": torch.zeros(h),
+                   "mtp.layers.0.input_layernorm.weight": torch.zeros(h)}, model_dir / "model-mtp.safetensors", metadata={"format": "pt"})
+    elif with_mtp:
         n, h = model.config.num_hidden_layers, model.config.hidden_size
         last = f"model.layers.{n - 1}."
         mtp = {f"model.layers.{n}." + k.removeprefix(last): v.clone().contiguous()
@@ -246,7 +289,7 @@ def hf_reference(hf_model, ids: list[int]):
     layer_out: dict[int, torch.Tensor] = {}
     router: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     hooks = []
-    for i, layer in enumerate(hf_model.model.layers):
+    for i, layer in enumerate(hf_layers(hf_model)):
         hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: layer_out.__setitem__(i, o[0] if isinstance(o, tuple) else o)))
         gate = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)  # gpt-oss: "router"
         if gate is not None:
@@ -293,17 +336,35 @@ class Capture:
         return self.values[key]
 
 
+def cache_config(model, block_size: int, num_blocks: int, num_seqs: int = 8):
+    """A CacheConfig for ``model``: with state slots for ``num_seqs`` sequences when it has linear-attention layers."""
+    from afd.config import CacheConfig
+
+    return CacheConfig(block_size=block_size, num_blocks=num_blocks, num_state_slots=num_seqs if model.config.linear else 0)
+
+
+def runner_and_blocks(model, block_size: int, num_blocks: int, num_seqs: int = 8):
+    """A monolithic runner and a block manager of the same cache (state slots where the model needs them)."""
+    from afd.engine.model_runner import ModelRunner
+    from afd.kvcache import BlockManager
+
+    cache = cache_config(model, block_size, num_blocks, num_seqs)
+    return ModelRunner(model, cache), BlockManager(num_blocks, block_size, num_state_slots=cache.num_state_slots)
+
+
+def new_chunk(blocks, seq_id: int, tokens: list[int]):
+    """The chunk of a new sequence's whole prompt (its blocks, and its state slot where the model keeps state)."""
+    blocks.ensure(seq_id, len(tokens))
+    return blocks.chunk(seq_id, 0, len(tokens))
+
+
 @torch.no_grad()
 def monolithic_capture(model, prompts: list[list[int]]):
     """The monolithic reference: one prefill batch with every boundary captured."""
-    from afd.config import CacheConfig
-    from afd.engine.model_runner import ModelRunner
-    from afd.kvcache import BlockManager, SeqChunk
 
     num_blocks = sum(-(-len(p) // 16) for p in prompts) + 4
-    runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=num_blocks))
-    blocks = BlockManager(num_blocks, 16)
-    chunks = [SeqChunk(blocks.ensure(i, len(p)), 0, len(p)) for i, p in enumerate(prompts)]
+    runner, blocks = runner_and_blocks(model, 16, num_blocks, len(prompts))
+    chunks = [new_chunk(blocks, i, p) for i, p in enumerate(prompts)]
     cap = Capture()
     logits = runner.execute([t for p in prompts for t in p], chunks, observer=cap)
     return cap.values, logits
@@ -339,21 +400,18 @@ def _router_scores(model, ref_values, layer):
 @torch.no_grad()
 def greedy_with_gaps(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
     """Monolithic greedy decode of one prompt over the paged cache; returns tokens and top-2 logit gaps."""
-    from afd.config import CacheConfig
-    from afd.engine.model_runner import ModelRunner
-    from afd.kvcache import BlockManager, SeqChunk
     from afd.testing.parity import top2_gap
 
-    runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=64))
-    blocks = BlockManager(64, 16)
+    runner, blocks = runner_and_blocks(model, 16, 64, 1)
     seq = list(prompt)
-    logits = runner.execute(seq, [SeqChunk(blocks.ensure(0, len(seq)), 0, len(seq))])[0]
+    logits = runner.execute(seq, [new_chunk(blocks, 0, seq)])[0]
     tokens, gaps = [], []
     for _ in range(steps):
         gaps.append(top2_gap(logits))
         tokens.append(int(logits.argmax()))
         seq.append(tokens[-1])
-        logits = runner.execute([seq[-1]], [SeqChunk(blocks.ensure(0, len(seq)), len(seq) - 1, 1)])[0]
+        blocks.ensure(0, len(seq))
+        logits = runner.execute([seq[-1]], [blocks.chunk(0, len(seq) - 1, 1)])[0]
     return tokens, gaps
 
 

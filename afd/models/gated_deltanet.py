@@ -45,6 +45,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def conv_tail(x: torch.Tensor, kernel: int) -> torch.Tensor:
+    """The conv state after ``x`` [..., C, n] (the state before, then the new inputs): its last ``kernel - 1`` inputs."""
+    return x[..., x.shape[-1] - (kernel - 1):]
+
+
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of D sequences. q, k [D, H, dk] (normalised, q scaled), v [D, H, dv], g, beta [D, H],
@@ -158,11 +163,11 @@ class GatedDeltaNet(nn.Module):
         if state.decode_slots is not None:
             rows, slots, fresh = meta.decode.rows, state.decode_slots, state.decode_fresh
             window = torch.cat((conv_state[slots].masked_fill(fresh[:, None, None], 0), qkv[rows, :, None].to(conv_state.dtype)), dim=-1)
-            conv_state[slots] = window[..., 1:]
+            conv_state[slots] = conv_tail(window, self.kernel)
             mixed = F.silu((window.to(weight.dtype) * weight).sum(-1)).to(x.dtype)
             q, k, v, g, beta = self.heads(mixed, b[rows], a[rows])
             kernels = native_ops() if x.device.type == "cpu" and rec_state.dtype == torch.float32 else None
-            if kernels is not None and hasattr(kernels, "gdn_decode"):  # the recurrence read and written in place in the slots (afd/kernels/csrc/gated_deltanet.cpp)
+            if kernels is not None:  # the recurrence read and written in place in the slots (afd/kernels/csrc/gated_deltanet.cpp)
                 out[rows] = kernels.gdn_decode(q, k, v, g, beta, rec_state, slots, fresh)
             else:
                 s = rec_state[slots].float().masked_fill(fresh[:, None, None, None], 0)
@@ -172,7 +177,7 @@ class GatedDeltaNet(nn.Module):
             rows = slice(chunk.row, chunk.row + chunk.length)
             before = conv_state[slot] if chunk.start else conv_state.new_zeros(conv_state.shape[1:])
             seq = torch.cat((before, qkv[rows].t().to(conv_state.dtype)), dim=-1)  # [C, K - 1 + L]
-            conv_state[slot] = seq[:, seq.shape[1] - (self.kernel - 1):]
+            conv_state[slot] = conv_tail(seq, self.kernel)
             mixed = F.silu(F.conv1d(seq[None].to(weight.dtype), self.conv1d.weight, groups=self.conv_dim))[0].t().to(x.dtype)
             q, k, v, g, beta = self.heads(mixed, b[rows], a[rows])
             s = rec_state[slot].float() if chunk.start else rec_state.new_zeros(rec_state.shape[1:], dtype=torch.float32)

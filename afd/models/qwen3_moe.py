@@ -14,6 +14,11 @@ from afd.models.layers import Linear, RMSNorm, RotaryEmbedding
 from afd.models.paged_attention import decode_attention, gather, prefill_attention, window_start
 
 
+def output_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Qwen3-Next's gated attention: the heads' output scaled by sigmoid(gate), in the model's dtype."""
+    return out * torch.sigmoid(gate)
+
+
 class GQAttention(nn.Module):
     """``attention_bias`` biases q/k/v, and o_proj too unless ``o_bias`` is False (GLM).
 
@@ -27,8 +32,8 @@ class GQAttention(nn.Module):
         super().__init__()
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.output_gate = config.attention_output_gate
-        self.q_proj = Linear(h, self.num_heads * d * (2 if self.output_gate else 1), bias=bias)
+        self.gated = config.attention_output_gate
+        self.q_proj = Linear(h, self.num_heads * d * (2 if self.gated else 1), bias=bias)
         self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
         self.o_proj = Linear(self.num_heads * d, h, bias=bias and o_bias)
@@ -54,7 +59,7 @@ class GQAttention(nn.Module):
         t, d = x.shape[0], self.head_dim
         q, k = self.q_proj(x), self.k_proj(x)
         gate = None
-        if self.output_gate:
+        if self.gated:
             q, gate = q.view(t, self.num_heads, 2 * d).split(d, dim=-1)
         if self.qk_norm == "all":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -82,7 +87,7 @@ class GQAttention(nn.Module):
                                           self.window, sinks, first)
         out = out.reshape(t, self.num_heads * d)
         if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(t, self.num_heads * d))
+            out = output_gate(out, gate.reshape(t, self.num_heads * d))
         return self.o_proj(out)
 
 

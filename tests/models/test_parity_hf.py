@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afd.config import CacheConfig, EngineConfig, SamplingParams
+from afd.config import EngineConfig, SamplingParams
 from afd.engine.llm_engine import LLMEngine
-from afd.engine.model_runner import ModelRunner
-from afd.kvcache import BlockManager, SeqChunk
 from afd.models import load_model
 from afd.testing.parity import (
     compare_bf16,
@@ -20,15 +18,14 @@ from afd.testing.parity import (
 from tests import support
 
 CASES = [*support.DEEPSEEK_CASES, *support.QWEN_CASES, *support.DEEPSEEK_V3_CASES, *support.GLM_CASES, *support.DSA_CASES,
-         *support.MINIMAX_CASES, *support.GPT_OSS_CASES]
+         *support.MINIMAX_CASES, *support.GPT_OSS_CASES, *support.HYBRID_CASES]
 PROMPTS = [[0, 17, 44, 9, 120, 301, 5, 77, 8, 250, 3, 12, 99], [0, 200, 13, 7, 2], [0, 5, 6, 7, 8, 9, 10, 11, 12]]
 
 
 def prefill(model, prompts, block_size=4):
     """All prompts in one flat afd batch; returns the capture and the last-token logits."""
-    runner = ModelRunner(model, CacheConfig(block_size=block_size, num_blocks=128))
-    blocks = BlockManager(128, block_size)
-    chunks = [SeqChunk(blocks.ensure(s, len(p)), 0, len(p)) for s, p in enumerate(prompts)]
+    runner, blocks = support.runner_and_blocks(model, block_size, 128, len(prompts))
+    chunks = [support.new_chunk(blocks, s, p) for s, p in enumerate(prompts)]
     cap = support.Capture()
     logits = runner.execute([t for p in prompts for t in p], chunks, observer=cap)
     return cap, logits
@@ -44,7 +41,7 @@ def parity_reports(model, hf_model, prompts):
         for i, ref in layers.items():
             reports.append(compare_values(f"seq{s} layer{i} output", ref, cap[(i, "ffn_output")][rows]))
             if i in router:
-                mlp = hf_model.model.layers[i].mlp
+                mlp = support.hf_layers(hf_model)[i].mlp
                 bias = getattr(getattr(mlp, "gate", None), "e_score_correction_bias", getattr(mlp, "e_score_correction_bias", None))
                 scores = support.selection_scores(router[i][0], hf_model.config, bias)
                 reports.append(compare_topk(f"seq{s} layer{i} experts", router[i][1], cap[(i, "topk_ids")][rows], scores))
@@ -97,25 +94,25 @@ def test_cached_decode_equals_full_forward(checkpoints, case):
     """Each decode step over the paged cache equals transformers' no-cache forward of the whole sequence."""
     path, hf = checkpoints[case]
     model, _ = load_model(path, dtype="float32")
-    runner = ModelRunner(model, CacheConfig(block_size=4, num_blocks=64))
-    blocks = BlockManager(64, 4)
+    runner, blocks = support.runner_and_blocks(model, 4, 64, 2)
     seqs = [list(PROMPTS[0]), list(PROMPTS[1])]
-    logits = runner.execute([t for s in seqs for t in s], [SeqChunk(blocks.ensure(i, len(s)), 0, len(s)) for i, s in enumerate(seqs)])
+    logits = runner.execute([t for s in seqs for t in s], [support.new_chunk(blocks, i, s) for i, s in enumerate(seqs)])
     for step in range(12):
         for i, s in enumerate(seqs):
             _, _, ref = support.hf_reference(hf, s)
             report = compare_values(f"step {step} seq {i}", ref[-1], logits[i])
             assert report.ok, str(report)
             s.append(int(logits[i].argmax()))
-        chunks = [SeqChunk(blocks.ensure(i, len(s)), len(s) - 1, 1) for i, s in enumerate(seqs)]
-        logits = runner.execute([s[-1] for s in seqs], chunks)
+        for i, s in enumerate(seqs):
+            blocks.ensure(i, len(s))
+        logits = runner.execute([s[-1] for s in seqs], [blocks.chunk(i, len(s) - 1, 1) for i, s in enumerate(seqs)])
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_continuation_matches_transformers(checkpoints, case):
     path, hf = checkpoints[case]
     model, _ = load_model(path, dtype="float32")
-    engine = LLMEngine(model, None, EngineConfig(cache=CacheConfig(block_size=4, num_blocks=128)))
+    engine = LLMEngine(model, None, EngineConfig(cache=support.cache_config(model, 4, 128)))
     steps = 24
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
     compared = 0
