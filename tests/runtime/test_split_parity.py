@@ -29,6 +29,9 @@ NEW_FAMILIES = ("dsv3-grouped-yarn", "glm4-qknorm-bias")  # DeepSeek-V3 (sigmoid
 #: MiniMax-M2 (whole-projection q/k norm), gpt-oss (sinks, sliding windows, biased experts, stacked checkpoint),
 #: DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention; GLM-5 with shared layers)
 FAMILIES_2026 = ("minimax-m2-rotary8", "gptoss-window6", "dsv32-top6", "glm5-shared-top5")
+#: Qwen3.5-MoE as released (multimodal layout) and Qwen3-Next: linear-attention state on the attention ranks, the
+#: gated shared expert on either side
+HYBRID = ("qwen35-moe-vl", "qwen3-next")
 
 
 def topology(a, f, **kw):
@@ -38,7 +41,7 @@ def topology(a, f, **kw):
 @pytest.fixture(scope="module")
 def references(checkpoints):
     out = {}
-    for case in ("ds-qlora-grouped-yarn", "qwen3-norm-topk", *NEW_FAMILIES, *FAMILIES_2026):
+    for case in ("ds-qlora-grouped-yarn", "qwen3-norm-topk", *NEW_FAMILIES, *FAMILIES_2026, *HYBRID):
         model = load_model(checkpoints[case][0], dtype="float32")[0]
         out[case] = (checkpoints[case][0], model, *support.monolithic_capture(model, PROMPTS))
     return out
@@ -128,7 +131,7 @@ def test_real_processes(references, transport, a, f, case, gate, dense_on, share
                 assert not any("self_attn" in n or "embed_tokens" in n for n in names)
 
 
-@pytest.mark.parametrize("case", NEW_FAMILIES + FAMILIES_2026)
+@pytest.mark.parametrize("case", NEW_FAMILIES + FAMILIES_2026 + HYBRID)
 @pytest.mark.parametrize("a, f, gate", [(2, 3, "ffn"), (3, 2, "attention"), (1, 2, "ffn")])
 def test_new_families_async_split(references, case, a, f, gate):
     """DeepSeek-V3, GLM-4.5, MiniMax-M2 and gpt-oss split exactly like V2: async micro-batches, A != F, the
@@ -155,7 +158,8 @@ def test_new_families_real_processes(references, transport, case, gate):
 @pytest.mark.procs
 @pytest.mark.parametrize("transport, case, gate, router", [("shm", "gptoss-window6", "ffn", ".mlp.router."),
                                                            ("torch", "minimax-m2-rotary8", "attention", ".block_sparse_moe.gate."),
-                                                           ("shm", "glm5-shared-top5", "ffn", ".mlp.gate.")])
+                                                           ("shm", "glm5-shared-top5", "ffn", ".mlp.gate."),
+                                                           ("shm", "qwen35-moe-vl", "attention", ".mlp.gate.")])
 def test_2026_families_real_processes(references, transport, case, gate, router):
     """Real processes, 2A3F async with redundant experts: the split equals the model, and the router's tensors
     (named as the family's checkpoint names them) are read only where the gate runs."""
@@ -166,8 +170,8 @@ def test_2026_families_real_processes(references, transport, case, gate, router)
         for r in cluster.ranks:
             on_rank = any(router in n for n in r.ready.tensors)
             assert on_rank == ((r.spec.role.name == "ATTENTION") == (gate == "attention")), r.spec.name
-            if r.spec.role.name == "FFN":  # the indexer runs on the attention side: none of it crosses
-                assert not any(".indexer." in n for n in r.ready.tensors), r.spec.name
+            if r.spec.role.name == "FFN":  # the indexer and the linear attention run on the attention side: none crosses
+                assert not any(".indexer." in n or ".linear_attn." in n for n in r.ready.tensors), r.spec.name
 
 
 @pytest.mark.parametrize("case", FAMILIES_2026)
