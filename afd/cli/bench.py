@@ -54,7 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--device", default="cpu", help="cpu (default), cuda:N or npu:N")
     g.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
     g.set_defaults(func=run_generate)
-    from afd.cli import bench_attention, bench_connector, bench_costs, bench_kernels, bench_mixed, bench_pipeline, bench_sampler, bench_serve
+    from afd.cli import (bench_attention, bench_connector, bench_costs, bench_hybrid, bench_kernels, bench_mixed, bench_pipeline,
+                         bench_sampler, bench_serve)
 
     bench_connector.add_parser(bsub)
     bench_pipeline.add_parser(bsub)
@@ -64,6 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench_mixed.add_parser(bsub)
     bench_kernels.add_parser(bsub)
     bench_attention.add_parser(bsub)
+    bench_hybrid.add_parser(bsub)
 
 
 def _load(args: argparse.Namespace):

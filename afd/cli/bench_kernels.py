@@ -7,10 +7,14 @@ inputs in one process, alternating the two: medians of ``--runs`` and their rati
   default here is the vLLM-comparison model's 8 experts of 256 x 192, where the loop's overhead shows);
 * decode-size linears: M rows against an N x K weight (the vLLM-comparison model's projections and LM head by
   default), the weights cycled through copies larger than the last-level cache, as a decode step reads them;
+* gated deltanet decode (``--gdn-tokens``, ``--gdn``): D tokens of a Qwen3.5-shaped linear-attention layer (32
+  value heads, 128 x 128 fp32 states, a cache of 64 slots), the state read and written in place in its slots
+  against ``recurrent_step`` with the gather, zeroing and scatter of the slots around it (GatedDeltaNet.forward);
 * MXFP4 experts (``--mxfp4-experts``, gpt-oss's shapes: biases, clamped SwiGLU): the blocks kept and decoded
   inside the C++ loop (``--mxfp4-weights keep``) against the same weights decoded at load, memory and time.
 
-The torch side runs with the kernels off (afd.models.layers sees none), so the experts' torch path is the
+A case's token list may be empty (``--decode-tokens``, ``--tokens``, ``--rows``, ``--gdn-tokens``,
+``--mxfp4-tokens`` with no values): that case is skipped. The torch side runs with the kernels off (afd.models.layers sees none), so the experts' torch path is the
 whole Python loop over F.linear.
 """
 
@@ -28,15 +32,19 @@ from afd.cli.common import alternate, print_table
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("kernels", help="native CPU kernels against the torch paths they replace")
-    p.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--decode-tokens", type=int, nargs="*", default=[1, 8, 32], help="decode attention: tokens (none: skip)")
     p.add_argument("--context", type=int, nargs="+", default=[80, 1024])
     p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32], help="experts: tokens per call")
+    p.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 32], help="experts: tokens per call (none: skip)")
     p.add_argument("--experts", type=int, nargs=4, default=[8, 2, 256, 192], metavar=("E", "K", "H", "I"),
                    help="experts, top-k, hidden, intermediate")
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16], help="linears: rows of x")
+    p.add_argument("--rows", type=int, nargs="*", default=[1, 8, 16], help="linears: rows of x (none: skip)")
     p.add_argument("--linears", nargs="+", default=["576x256", "384x256", "4096x256", "256x768"], metavar="NxK",
                    help="linears: weight shapes (out x in)")
+    p.add_argument("--gdn-tokens", type=int, nargs="*", default=[1, 8, 32],
+                   help="gated deltanet decode: tokens (sequences) per call (none: skip)")
+    p.add_argument("--gdn", type=int, nargs=4, default=[32, 128, 128, 64], metavar=("H", "DK", "DV", "SLOTS"),
+                   help="gated deltanet decode: value heads, key and value head sizes, state slots (Qwen3.5's layers)")
     p.add_argument("--mxfp4-experts", type=int, nargs=4, default=[8, 4, 2880, 2880], metavar=("E", "K", "H", "I"),
                    help="MXFP4 keep vs dequantize: experts, top-k, hidden, intermediate (gpt-oss's 2880 x 2880)")
     p.add_argument("--mxfp4-tokens", type=int, nargs="*", default=[1, 8], help="MXFP4: tokens per call (none: skip)")
@@ -111,6 +119,29 @@ def _linear_case(m: int, n: int, k: int, dtype: torch.dtype, runs: int):
     return alternate(cycled(ops().linear, 0), cycled(F.linear, 1), runs)
 
 
+def _gdn_case(d: int, h: int, dk: int, dv: int, num_slots: int, runs: int):
+    """Gated DeltaNet decode: D sequences' fp32 states in a cache of num_slots, updated in place, each side on a
+    cache of its own (the same start)."""
+    from afd.kernels import ops
+    from afd.models.gated_deltanet import l2norm, recurrent_step
+
+    gen = torch.Generator().manual_seed(d)
+    q = l2norm(torch.randn(d, h, dk, generator=gen)) * dk**-0.5
+    k = l2norm(torch.randn(d, h, dk, generator=gen))
+    v, g, beta = torch.randn(d, h, dv, generator=gen), -torch.rand(d, h, generator=gen), torch.rand(d, h, generator=gen)
+    slots = torch.randperm(num_slots, generator=gen)[:d]
+    fresh = torch.zeros(d, dtype=torch.bool)
+    native_state = torch.randn(num_slots, h, dk, dv, generator=gen) * 0.1
+    torch_state = native_state.clone()
+
+    def torch_path():  # GatedDeltaNet.forward's torch path
+        s = torch_state[slots].masked_fill(fresh[:, None, None, None], 0)
+        _, s = recurrent_step(q, k, v, g, beta, s)
+        torch_state[slots] = s
+
+    return alternate(lambda: ops().gdn_decode(q, k, v, g, beta, native_state, slots, fresh), torch_path, runs)
+
+
 def _mxfp4_case(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, runs: int) -> dict:
     """gpt-oss experts held as MXFP4 blocks (decoded per call) against the same values decoded at load."""
     from afd.models.layers import GroupedExperts
@@ -167,7 +198,14 @@ def run(args: argparse.Namespace) -> int:
             native, ref = _linear_case(m, n, k, dtype, args.runs)
             results[f"linear M={m} N={n} K={k}"] = {"native_ms": native * 1e3, "torch_ms": ref * 1e3}
             rows.append(("linear", f"{m} rows x ({n} x {k})", f"{native * 1e3:.3f}", f"{ref * 1e3:.3f}", f"{ref / native:.2f}x"))
-    print_table(rows)
+    h, dk, dv, num_slots = args.gdn
+    for d in args.gdn_tokens:
+        native, ref = _gdn_case(d, h, dk, dv, num_slots, args.runs)
+        results[f"gdn decode D={d}"] = {"native_ms": native * 1e3, "torch_ms": ref * 1e3}
+        rows.append(("gated deltanet decode", f"{d} tokens, {h} heads x {dk} x {dv} fp32 states, {num_slots} slots",
+                     f"{native * 1e3:.3f}", f"{ref * 1e3:.3f}", f"{ref / native:.2f}x"))
+    if len(rows) > 1:
+        print_table(rows)
     speedups = [r["torch_ms"] / r["native_ms"] for r in results.values()]
     if args.mxfp4_tokens:
         e, k, h, i = args.mxfp4_experts
@@ -178,8 +216,9 @@ def run(args: argparse.Namespace) -> int:
             table.append((f"{t} tokens, top-{k} of {e} ({h} x {i})", f"{r['keep_ms']:.2f}", f"{r['dequantized_ms']:.2f}",
                           f"{r['keep_ms'] / r['dequantized_ms']:.2f}x", f"{r['keep_mib']:.0f}", f"{r['dequantized_mib']:.0f}"))
         print_table(table)
-    print(f"summary: {args.dtype}, torch threads {torch.get_num_threads()}, medians of {args.runs} alternating runs: "
-          f"native kernels ({ops().simd} register tiles) {min(speedups):.2f}x-{max(speedups):.2f}x the torch paths")
+    if speedups:
+        print(f"summary: {args.dtype}, torch threads {torch.get_num_threads()}, medians of {args.runs} alternating runs: "
+              f"native kernels ({ops().simd} register tiles) {min(speedups):.2f}x-{max(speedups):.2f}x the torch paths")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1))
     return 0

@@ -199,15 +199,24 @@ def test_bench_sampler_times_every_mix(tmp_path):
 def test_bench_kernels_times_each_native_kernel_against_its_torch_path(tmp_path):
     out = tmp_path / "kernels.json"
     res = afd("bench", "kernels", "--decode-tokens", "2", "--context", "40", "--heads", "4", "--tokens", "3", "--runs", "2",
-              "--rows", "4", "--linears", "64x32", "--mxfp4-experts", "4", "2", "64", "64", "--mxfp4-tokens", "2", "--json", str(out))
+              "--rows", "4", "--linears", "64x32", "--mxfp4-experts", "4", "2", "64", "64", "--mxfp4-tokens", "2", "--gdn-tokens", "2", "--gdn", "4", "16", "16", "4", "--json", str(out))
     from afd.kernels import ops
 
     assert "summary:" in res.stdout and f"({ops().simd} register tiles)" in res.stdout
     data = json.loads(out.read_text())
-    assert set(data) == {"decode attention D=2 L=40", "experts T=3", "linear M=4 N=64 K=32", "mxfp4 T=2"}
+    assert set(data) == {"decode attention D=2 L=40", "experts T=3", "linear M=4 N=64 K=32", "mxfp4 T=2", "gdn decode D=2"}
     mxfp4 = data.pop("mxfp4 T=2")
     assert all(v["native_ms"] > 0 and v["torch_ms"] > 0 for v in data.values())
     assert mxfp4["keep_ms"] > 0 and mxfp4["keep_mib"] < mxfp4["dequantized_mib"] / 3  # 4.25 bits against fp32's 32
+
+
+def test_bench_hybrid_times_both_layer_kinds_against_context(tmp_path):
+    out = tmp_path / "hybrid.json"
+    res = afd("bench", "hybrid", "--contexts", "64", "512", "--dtype", "float32", "--runs", "2", "--json", str(out))
+    assert "linear layer ms" in res.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["context"] for r in rows] == [64, 512] and rows[0]["layers"] == [30, 10]
+    assert all(r["linear_ms"] > 0 and r["full_ms"] > 0 for r in rows)
 
 
 def test_bench_attention_reports_sparse_and_window_figures(tmp_path):

@@ -26,6 +26,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved);
 
+at::Tensor gdn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                      const at::Tensor& state, const at::Tensor& slots, const at::Tensor& fresh);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("simd") = pybind11::str(AFD_SIMD_NAME);  // the register tiles built here: "avx512", "avx2" or "none" (simd.h)
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -39,6 +42,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("small_linear_vectorized") = pybind11::bool_(small_linear_vectorized());
   m.attr("small_linear_max_rows") = pybind11::int_(small_linear_max_rows());
   m.attr("small_linear_max_half_rows") = pybind11::int_(small_linear_max_half_rows());
+  m.def("gdn_decode", &gdn_decode,
+        "Gated DeltaNet decode: one token per sequence, its recurrent state read and written in place in the slots (gated_deltanet.cpp)",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("g"), pybind11::arg("beta"), pybind11::arg("state"),
+        pybind11::arg("slots"), pybind11::arg("fresh"));
   m.def("moe_experts", &moe_experts, "the routed experts held here, one GEMM pair per expert (moe_experts.cpp)",
         pybind11::arg("x"), pybind11::arg("local_ids"), pybind11::arg("weights"), pybind11::arg("gate_up"), pybind11::arg("down"),
         pybind11::arg("gate_up_bias") = pybind11::none(), pybind11::arg("down_bias") = pybind11::none(),
