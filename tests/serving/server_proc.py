@@ -22,9 +22,9 @@ class Server(ServerProcess):
     """The built-in model in fp32, one torch thread per process, under its own run id (so that every
     process of the run can be found, and checked gone, afterwards)."""
 
-    def __init__(self, *args: str, startup_timeout: float = 180.0, env: dict | None = None) -> None:
+    def __init__(self, *args: str, startup_timeout: float = 180.0, env: dict | None = None, model_dir=BUILTIN_MODEL) -> None:
         self.run_id = uuid.uuid4().hex[:12]
-        super().__init__(BUILTIN_MODEL, "--dtype", "float32", *args, startup_timeout=startup_timeout,
+        super().__init__(model_dir, "--dtype", "float32", *args, startup_timeout=startup_timeout,
                          env={"AFD_NUM_THREADS": "1", "AFD_RUN_ID": self.run_id, **(env or {})})
 
     def get(self, path: str) -> httpx.Response:

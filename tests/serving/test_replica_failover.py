@@ -94,3 +94,24 @@ def test_a_single_replica_is_restarted_and_its_requests_wait_for_it(transport):
             assert (victim, "lost") in ranks and len([pid for pid, state in ranks if state == "serving"]) == 1
             assert s.metric("afd_replicas_lost_total") == n and s.metric("afd_replicas_restarted_total") == n
         assert _run(s) == reference  # the second restart serves on
+
+
+@pytest.mark.faults
+def test_a_hybrid_release_served_split_refuses_images_and_moves_a_lost_replicas_requests(checkpoints):
+    """Qwen3.5-MoE as released (multimodal layout), 2 attention ranks + 1 FFN rank: the start-up line counts the
+    state slots, an image is refused with a 400, and a killed replica's requests are recomputed on the survivor
+    (their linear-attention state rebuilt from the prompt and the tokens so far) with texts unchanged."""
+    path = checkpoints["qwen35-moe-vl"][0]
+    with Server("--attention-ranks", "2", "--ffn-ranks", "1", "--hang-timeout", "2", model_dir=path) as s:
+        assert "state slots" in "".join(s.stdout + s.stderr)
+        image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+        r = s.post("/v1/chat/completions", json={"model": s.model, "messages": [image]})
+        assert r.status_code == 400 and "text only" in r.text
+        payloads = [{"model": s.model, "prompt": f"To be, or not {i}", "max_tokens": 16, "ignore_eos": True, "stream": True,
+                     "temperature": 0} for i in range(6)]
+        reference = s.streams(payloads)
+        assert all(outcome == "done" for outcome, _ in reference.values()), reference
+        pid = _serving(s, "attention rank 1")
+        out = s.streams(payloads, fault=lambda: os.kill(pid, signal.SIGKILL))
+        assert out == reference
+        assert s.metric("afd_requests_moved_total") >= 1
