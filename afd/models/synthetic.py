@@ -140,7 +140,7 @@ def write_random_checkpoint(
 
     from safetensors.torch import save_file
 
-    from afd.models.loader import _plan
+    from afd.models.weight_plan import plan_copies
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -160,7 +160,7 @@ def write_random_checkpoint(
             weight_map.update({k: name for k in shard})
             shard, size, index = {}, 0, index + 1
 
-    for c in _plan(model, range(config.moe.num_experts)):
+    for c in plan_copies(model, range(config.moe.num_experts)):
         shape = params[c.param].shape
         if c.index is not None:
             shape = shape[1:]
