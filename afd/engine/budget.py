@@ -121,6 +121,17 @@ def state_slot_bytes(config: ModelConfig, dtype: torch.dtype, state_dtype: str =
     return len(lin.layers) * (lin.conv_dim * (lin.conv_kernel - 1) * b + lin.num_value_heads * lin.key_head_dim * lin.value_head_dim * s)
 
 
+def no_prefix_cache_reason(config: ModelConfig, dtype: torch.dtype, state_dtype: str, block_size: int) -> str | None:
+    """Why a model runs without the prefix cache (None: it may use it). A hybrid model's cached prefix would have
+    to restore the linear layers' state at its end too: one snapshot per block, each the size of a state slot."""
+    if config.linear is None:
+        return None
+    tokens = state_slot_bytes(config, dtype, state_dtype) // kv_bytes_per_token(config, dtype)
+    return (f"prefix caching is off for {config.architecture} (a hybrid model): a cached prefix must restore the "
+            f"linear-attention state at its end too, and one state snapshot costs as much memory as the KV of {tokens} "
+            f"tokens, so one per {block_size}-token block would outgrow the KV it saves (docs/user-guide.md)")
+
+
 def state_slots(config: ModelConfig, dtype: torch.dtype, kv_cache_memory: int, max_num_seqs: int, state_dtype: str = "float32") -> int:
     """State slots of a hybrid model (0 without linear-attention layers): one per sequence the engine may run,
     taken from ``kv_cache_memory`` before its KV blocks, but never more than half of it (fewer slots bound

@@ -15,7 +15,8 @@ from tqdm import tqdm
 from afd.config import CacheConfig, EngineArgs, EngineConfig, SamplingParams
 from afd.engine.detokenizer import OutputText
 from afd.engine.request import Request, RequestOutput, Status, TokenDelta
-from afd.engine.budget import engine_limits, kv_bytes_per_token, kv_layer_bytes, kv_pools, state_slot_bytes, state_slots, window_pool_blocks
+from afd.engine.budget import (engine_limits, kv_layer_bytes, kv_pools, no_prefix_cache_reason, state_slot_bytes, state_slots,
+                               window_pool_blocks)
 from afd.engine.model_runner import ModelRunner, Runner
 from afd.engine.sampling import PROMPT_LOGITS_BYTES, PenaltyState, PositionLogprobs, logprobs_of, make_generator, sample
 from afd.engine.scheduler import Scheduler
@@ -58,14 +59,11 @@ class LLMEngine:
         self.config = config
         self.runner = runner or ModelRunner(model, config.cache, config.device)
         caching = config.enable_prefix_caching
-        if caching and model.config.linear is not None:
+        reason = no_prefix_cache_reason(model.config, model.model.embed_tokens.weight.dtype, config.cache.state_dtype,
+                                        config.cache.block_size)
+        if caching and reason:
             caching = False
-            dtype = model.model.embed_tokens.weight.dtype
-            tokens = state_slot_bytes(model.config, dtype, config.cache.state_dtype) // kv_bytes_per_token(model.config, dtype)
-            log.warning("prefix caching is off for %s (a hybrid model): a cached prefix must restore the linear-attention "
-                        "state at its end too, and one state snapshot costs as much memory as the KV of %d tokens, so one "
-                        "per %d-token block would outgrow the KV it saves (docs/user-guide.md)", model.config.architecture, tokens,
-                        config.cache.block_size)
+            log.warning("%s", reason)
         self.blocks = make_blocks(config.cache.num_blocks, config.cache.block_size, caching,
                                   config.cache.num_window_blocks, model.config.sliding_window or 0, config.cache.num_state_slots)
         max_num_seqs = min(config.max_num_seqs, config.cache.num_state_slots or config.max_num_seqs)  # one slot per sequence

@@ -32,7 +32,7 @@ from afd.connectors.transport import LoopbackHub
 from afd.connectors.wire import Role
 from afd.distributed.devices import check_present
 from afd.distributed.topology import MULTI_HOST_TRANSPORTS, Topology, backend_for, validate_topology
-from afd.engine.budget import engine_limits
+from afd.engine.budget import engine_limits, no_prefix_cache_reason
 from afd.models.hf_config import load_model_config
 from afd.models.loader import resolve_dtype
 from afd.runtime.forkserver import RunForkServer
@@ -132,6 +132,10 @@ class Launcher:
                                     engine.max_step_memory, engine.max_num_batched_tokens, engine.state_dtype)  # once, for every rank
         self.engine = replace(engine, max_num_batched_tokens=self.limits.max_num_batched_tokens,
                               max_step_memory=self.limits.max_step_memory, max_model_len=self.limits.max_model_len)
+        reason = no_prefix_cache_reason(config, dtype, engine.state_dtype, engine.block_size)
+        if engine.enable_prefix_caching and reason:  # said once here; the ranks and the front end's router go without
+            log.warning("%s", reason)
+            self.engine = replace(self.engine, enable_prefix_caching=False)
         local = self.local_ranks()  # devices are checked on the host that runs them
         if not local:
             raise ValueError(f"node {node.node_rank} runs no rank (attention ranks on nodes {list(topology.attention_nodes)}, FFN "

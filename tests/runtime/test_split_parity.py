@@ -141,6 +141,8 @@ def test_new_families_async_split(references, case, a, f, gate):
         t = topology(a, f, transport="loopback", gate=gate, dense_on=dense_on, shared_experts_on=shared_on)
         with support.cluster(path, t, ENGINE, pipeline=PipelineConfig("async", 2, "token")) as cluster:
             check_cluster(cluster, model, ref_values, ref_logits, gate)
+            # a hybrid model runs without the prefix cache: the ranks and the front end's prefix router alike
+            assert cluster.engine.enable_prefix_caching == (case not in HYBRID)
 
 
 @pytest.mark.procs
