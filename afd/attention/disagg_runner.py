@@ -241,7 +241,7 @@ class DisaggregatedRunner:
         if record:
             mb.captured[(layer, "attn_output")] = out.residual
         is_moe = m.config.is_moe_layer(layer)
-        mb.routing = m.router(layer, out.ffn_input) if is_moe and t.gate == "attention" else None
+        mb.routing = m.router(layer, out.ffn_input, mb.token_ids) if is_moe and t.gate == "attention" else None
         if record and mb.routing is not None:
             mb.captured[(layer, "topk_ids")] = mb.routing.topk_ids
 

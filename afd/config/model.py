@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 SUPPORTED_ACTIVATIONS = ("silu",)
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-SCORING_FUNCS = ("softmax", "sigmoid")
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 ROPE_TYPES = ("default", "yarn")
 
 
@@ -136,7 +136,7 @@ class MoEConfig:
     """Routed experts, shared experts and the router of the MoE layers.
 
     The router's variants (:class:`afd.models.base.Router`):
-    scoring            softmax (DeepSeek-V2, Qwen3) or sigmoid (DeepSeek-V3, GLM-4.5)
+    scoring            softmax (DeepSeek-V2, Qwen3), sigmoid (DeepSeek-V3, GLM-4.5) or sqrt(softplus) (DeepSeek-V4)
     topk_method        greedy; group_limited_greedy (V2: a group scores its best expert);
                        noaux_tc (V3: experts are *selected* on score + e_score_correction_bias,
                        a group scores the sum of its top two; weights use the unbiased score)
@@ -159,9 +159,15 @@ class MoEConfig:
     scale_after_norm: bool = False
     router_bias: bool = False  # gpt-oss: the gate's logits have a bias (``mlp.router.bias``)
     expert_bias: bool = False  # gpt-oss: every expert's gate_up and down projections have biases
-    #: gpt-oss's clamped SwiGLU: (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l); None: silu(gate) * up
+    #: the clamped SwiGLU: (clamp(up, -l, l) + offset) * g * sigmoid(alpha * g), g = min(gate, l); None: silu(gate) * up.
+    #: gpt-oss: offset 1, alpha 1.702; DeepSeek-V4: offset 0, alpha 1 (silu(min(gate, l)) * clamp(up, -l, l)), its
+    #: shared experts clamped alike (the shared experts use the routed ones' activation)
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    swiglu_offset: float = 1.0
+    #: DeepSeek-V4's hash-routed layers: a frozen ``tid2eid[token id]`` table chooses the experts, the gate only
+    #: weights them (the router needs the step's token ids)
+    hash_layers: tuple[int, ...] = ()
     #: the shared experts' intermediate size when it is not ``num_shared_experts x intermediate_size`` (Qwen3-Next)
     shared_size: int | None = None
     #: Qwen3-Next, Qwen3.5: the shared expert's output is scaled by sigmoid(``shared_expert_gate`` . x)
@@ -186,6 +192,8 @@ class MoEConfig:
                                  f"hold fewer than num_experts_per_tok={self.top_k}")
         if self.swiglu_limit is not None:
             _positive("swiglu_limit", self.swiglu_limit)
+        if not set(self.hash_layers) <= set(self.layers):
+            raise ValueError(f"hash-routed layers {sorted(set(self.hash_layers) - set(self.layers))} are not MoE layers")
         if self.topk_method == "noaux_tc" and self.num_experts // self.num_groups < 2:
             raise ValueError("noaux_tc scores a group by its top two experts: every group needs at least 2")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from afd.config import ModelConfig, MoEConfig
@@ -41,14 +42,19 @@ class Router(nn.Module):
       top two sum highest). The bias only *chooses* experts: it never enters the weights;
     * weights: the unbiased scores of the chosen experts. V2/Qwen normalise them (``norm_topk_prob``, k > 1)
       *or* multiply by ``routed_scaling_factor``; V3/GLM (``scale_after_norm``) normalise *then* scale.
+
+    A hash-routed layer (DeepSeek-V4's first layers, ``hashed``) chooses its experts by the token: ``tid2eid
+    [token id]`` (a frozen table of the checkpoint); the scores only weight them, as above.
     """
 
-    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+    def __init__(self, hidden_size: int, moe: MoEConfig, hashed: bool = False, vocab_size: int = 0) -> None:
         super().__init__()
-        self.moe = moe
+        self.moe, self.hashed = moe, hashed
+        if hashed:
+            self.tid2eid = nn.Parameter(torch.empty(vocab_size, moe.top_k, dtype=torch.long), requires_grad=False)
         dtype = torch.float32 if moe.router_fp32 else None
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=dtype))
-        if moe.score_bias:
+        if moe.score_bias and not hashed:  # a hash layer's table chooses: it has no selection bias
             self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts, dtype=torch.float32))
         if moe.router_bias:
             self.bias = nn.Parameter(torch.empty(moe.num_experts, dtype=dtype))
@@ -75,11 +81,25 @@ class Router(nn.Module):
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
         return choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Router logits [T, E] -> fp32 scores [T, E]."""
+        if self.moe.scoring == "softmax":
+            return logits.softmax(dim=-1, dtype=torch.float32)
+        if self.moe.scoring == "sqrtsoftplus":
+            return F.softplus(logits.float()).sqrt()
+        return logits.float().sigmoid()
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> Routing:
+        """x [T, H] -> the top-k experts and their weights; ``token_ids`` [T]: the tokens, for a hash-routed layer."""
         moe = self.moe
-        logits = self.logits(x)
-        scores = logits.softmax(dim=-1, dtype=torch.float32) if moe.scoring == "softmax" else logits.float().sigmoid()  # [T, E]
-        ids = self.selection_scores(scores).topk(moe.top_k, dim=-1).indices  # [T, k]
+        scores = self.scores(self.logits(x))  # [T, E]
+        if self.hashed:
+            if token_ids is None or token_ids.shape != x.shape[:1]:
+                raise ValueError("a hash-routed MoE layer chooses its experts by token id: the router needs the step's token ids, "
+                                 f"one per row ({x.shape[0]} rows, got {None if token_ids is None else tuple(token_ids.shape)})")
+            ids = self.tid2eid[token_ids.to(self.tid2eid.device)].to(torch.long)  # [T, k]
+        else:
+            ids = self.selection_scores(scores).topk(moe.top_k, dim=-1).indices  # [T, k]
         weights = scores.gather(1, ids)
         if moe.scale_after_norm:
             if moe.norm_topk_prob:
@@ -95,14 +115,14 @@ class Router(nn.Module):
 class MoEBlock(nn.Module):
     """The FFN half of an MoE layer: router, the held routed experts, shared experts."""
 
-    def __init__(self, config: ModelConfig, expert_ids: Sequence[int]) -> None:
+    def __init__(self, config: ModelConfig, expert_ids: Sequence[int], layer: int = -1) -> None:
         super().__init__()
         moe = config.moe
-        self.gate = Router(config.hidden_size, moe)
-        self.experts = GroupedExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, expert_ids,
-                                      bias=moe.expert_bias, swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha)
+        self.gate = Router(config.hidden_size, moe, hashed=layer in moe.hash_layers, vocab_size=config.vocab_size)
+        swiglu = (moe.swiglu_limit, moe.swiglu_alpha, moe.swiglu_offset)  # the shared experts use the routed ones' activation
+        self.experts = GroupedExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, expert_ids, moe.expert_bias, *swiglu)
         self.shared_experts = (
-            GatedMLP(config.hidden_size, moe.shared_intermediate_size) if moe.num_shared_experts else None
+            GatedMLP(config.hidden_size, moe.shared_intermediate_size, *swiglu) if moe.num_shared_experts else None
         )
         if moe.shared_expert_gate:  # Qwen3-Next: the shared expert's output times sigmoid(gate . x)
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
@@ -137,7 +157,7 @@ class MoEModel(nn.Module):
         held = range(config.moe.num_experts) if expert_ids is None else expert_ids
         layers = []
         for i in range(config.num_layers):
-            mlp = MoEBlock(config, held) if config.is_moe_layer(i) else GatedMLP(config.hidden_size, config.intermediate_size)
+            mlp = MoEBlock(config, held, i) if config.is_moe_layer(i) else GatedMLP(config.hidden_size, config.intermediate_size)
             layers.append(DecoderLayer(config, self.make_attention(i), mlp))
         self.model = Backbone(config, layers)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -227,10 +247,11 @@ class MoEModel(nn.Module):
         residual = hidden + attn
         return AttentionOutput(residual, block.post_attention_layernorm(residual))
 
-    def router(self, layer: int, ffn_input: torch.Tensor) -> Routing:
+    def router(self, layer: int, ffn_input: torch.Tensor, token_ids: torch.Tensor | None = None) -> Routing:
+        """The layer's top-k; ``token_ids`` [T] (the rows' tokens) are read by a hash-routed layer only."""
         gate = self._moe(layer).gate
         self._check_loaded(gate.weight, "router")
-        return gate(ffn_input)
+        return gate(ffn_input, token_ids)
 
     def experts(self, layer: int, ffn_input: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Weighted sum over the routed experts held here. [T, H] -> [T, H]."""
@@ -261,11 +282,12 @@ class MoEModel(nn.Module):
         return self.lm_head(self.model.norm(hidden)).float()
 
     # ------------------------------------------------------------------ monolithic
-    def ffn(self, layer: int, ffn_input: torch.Tensor, observer: Observer | None = None) -> torch.Tensor:
+    def ffn(self, layer: int, ffn_input: torch.Tensor, observer: Observer | None = None,
+            token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The whole FFN half of a layer on one process: routed + shared experts, or the dense MLP."""
         if not self.config.is_moe_layer(layer):
             return self.dense_mlp(layer, ffn_input)
-        routing = self.router(layer, ffn_input)
+        routing = self.router(layer, ffn_input, token_ids)
         if observer is not None:
             observer(layer, "topk_ids", routing.topk_ids)
         out = self.experts(layer, ffn_input, routing)
@@ -288,7 +310,7 @@ class MoEModel(nn.Module):
             out = self.attention(i, hidden, meta, kv_cache.layer(i))
             if observer is not None:
                 observer(i, "attn_output", out.residual)
-            hidden = out.residual + self.ffn(i, out.ffn_input, observer)
+            hidden = out.residual + self.ffn(i, out.ffn_input, observer, input_ids)
             if observer is not None:
                 observer(i, "ffn_output", hidden)
         if observer is not None:

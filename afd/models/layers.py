@@ -60,23 +60,30 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)). Used for dense layers and shared experts."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)). Used for dense layers and shared experts; with ``swiglu_limit``
+    the clamped activation (:func:`clamped_swiglu`: DeepSeek-V4's shared experts)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None, swiglu_alpha: float = 1.702,
+                 swiglu_offset: float = 1.0) -> None:
         super().__init__()
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.swiglu = (swiglu_limit, swiglu_alpha, swiglu_offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        limit, alpha, offset = self.swiglu
+        if limit is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), limit, alpha, offset))
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
-    """gpt-oss's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), where
-    g = min(gate, limit) (gate is clamped above only)."""
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float, offset: float = 1.0) -> torch.Tensor:
+    """The clamped expert activation: (clamp(up, -limit, limit) + offset) * g * sigmoid(alpha * g), where
+    g = min(gate, limit) (gate is clamped above only). gpt-oss: offset 1, alpha 1.702; DeepSeek-V4: offset 0,
+    alpha 1, which is silu(min(gate, limit)) * clamp(up, -limit, limit)."""
     gate = gate.clamp(max=limit)
-    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
+    return (up.clamp(-limit, limit) + offset) * gate * torch.sigmoid(gate * alpha)
 
 
 class RotaryEmbedding:
@@ -161,7 +168,8 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, expert_ids: Sequence[int],
-                 bias: bool = False, swiglu_limit: float | None = None, swiglu_alpha: float = 1.702) -> None:
+                 bias: bool = False, swiglu_limit: float | None = None, swiglu_alpha: float = 1.702,
+                 swiglu_offset: float = 1.0) -> None:
         super().__init__()
         ids = sorted(set(expert_ids))
         if ids and not (0 <= ids[0] and ids[-1] < num_experts):
@@ -175,7 +183,7 @@ class GroupedExperts(nn.Module):
             self.gate_up_proj_bias = nn.Parameter(torch.empty(len(ids), 2 * intermediate_size))
             self.down_proj_bias = nn.Parameter(torch.empty(len(ids), hidden_size))
         self.bias = bias
-        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+        self.swiglu_limit, self.swiglu_alpha, self.swiglu_offset = swiglu_limit, swiglu_alpha, swiglu_offset
         lookup = torch.full((num_experts,), -1, dtype=torch.long, device="cpu")
         lookup[list(ids)] = torch.arange(len(ids), device="cpu")
         self._global_to_local = lookup  # constant [E] -> local index or -1
@@ -224,7 +232,7 @@ class GroupedExperts(nn.Module):
         biases = (self.gate_up_proj_bias, self.down_proj_bias) if self.bias else (None, None)
         scales = (self.gate_up_proj_scales, self.down_proj_scales) if self.mxfp4 else (None, None)
         out, counts = kernels.moe_experts(x, self._local_ids(topk_ids), topk_weights, self.gate_up_proj, self.down_proj,
-                                          *biases, self.swiglu_limit, self.swiglu_alpha, *scales)
+                                          *biases, self.swiglu_limit, self.swiglu_alpha, *scales, self.swiglu_offset)
         for e, n in enumerate(counts.tolist()):
             self.tokens_routed[e] += n
         return out
@@ -258,7 +266,7 @@ class GroupedExperts(nn.Module):
                 if self.swiglu_limit is None:
                     act = F.silu(gate) * up
                 else:
-                    act = clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha)
+                    act = clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha, self.swiglu_offset)
                 ye = linear(act, w_down, b_down)  # [n, H], the expert's bias before its weight
                 out[rows] = (ye * weights[rows, None]).to(out.dtype)
         return out.view(num_tokens, k, -1).sum(dim=1)

@@ -107,6 +107,8 @@ def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def _target_dtype(model: MoEModel, name: str, dtype: torch.dtype) -> torch.dtype:
+    if name.endswith("mlp.gate.tid2eid"):
+        return torch.long  # DeepSeek-V4's hash table: expert ids
     if name.endswith("mlp.gate.e_score_correction_bias") or (name.endswith(("mlp.gate.weight", "mlp.gate.bias"))
                                                               and model.config.moe.router_fp32):
         return torch.float32  # DeepSeek and GLM keep the router in fp32

@@ -54,7 +54,7 @@ def category(param: str) -> str:
         return "experts"
     if ".mlp.shared_expert" in param:  # the shared experts, and Qwen3-Next's gate of its shared expert
         return "shared_experts"
-    if param.endswith((".mlp.gate.weight", ".mlp.gate.bias", ".mlp.gate.e_score_correction_bias")):
+    if param.endswith((".mlp.gate.weight", ".mlp.gate.bias", ".mlp.gate.e_score_correction_bias", ".mlp.gate.tid2eid")):
         return "routers"
     if ".mlp." in param:
         return "dense_mlp"

@@ -75,7 +75,7 @@ def test_canary_gate_up_read_as_halves_fails(gpt_oss):
 def test_canary_plus_one_on_up_dropped_fails(gpt_oss, monkeypatch):
     model, hf = gpt_oss
 
-    def without_plus_one(gate, up, limit, alpha):
+    def without_plus_one(gate, up, limit, alpha, offset):
         gate = gate.clamp(max=limit)
         return up.clamp(-limit, limit) * gate * torch.sigmoid(gate * alpha)
 

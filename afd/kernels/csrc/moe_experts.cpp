@@ -24,8 +24,9 @@
 //              uint8 blocks [E, 2I, H/32, 16] and [E, H, I/32, 16] (e2m1 pairs, the even value in the low nibble)
 //              with these e8m0 scales [E, 2I, H/32] and [E, H, I/32]; each expert that has rows is decoded here
 //              into a scratch weight in x's dtype (a lookup of 16 values and an exponent), then runs as above
-//   swiglu_limit optional (gpt-oss): the clamped activation (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g),
-//              g = min(gate, l), instead of silu(gate) * up
+//   swiglu_limit optional: the clamped activation (clamp(up, -l, l) + offset) * g * sigmoid(alpha * g),
+//              g = min(gate, l), instead of silu(gate) * up; gpt-oss: offset 1, alpha 1.702; DeepSeek-V4: offset 0,
+//              alpha 1 (silu(min(gate, l)) * clamp(up, -l, l))
 //   returns    ([T, H] in x's dtype: sum over held slots of weight * expert(x), [E] int64 rows each expert took)
 
 #include <ATen/ATen.h>
@@ -69,8 +70,8 @@ at::Tensor decode_mxfp4(const at::Tensor& blocks, const at::Tensor& scales, at::
 // What the experts compute besides their two GEMMs: biases and the activation.
 struct ExpertMath {
   c10::optional<at::Tensor> gate_up_bias, down_bias;  // [E, 2I], [E, H]
-  c10::optional<double> limit;                         // gpt-oss's clamped SwiGLU
-  double alpha;
+  c10::optional<double> limit;                         // the clamped SwiGLU (gpt-oss, DeepSeek-V4)
+  double alpha, offset;
   c10::optional<at::Tensor> gate_up_scales, down_scales;  // MXFP4: the weights are blocks
   at::ScalarType dtype;                                    // what MXFP4 weights decode into
 
@@ -79,16 +80,16 @@ struct ExpertMath {
   at::Tensor down(const at::Tensor& w, int64_t e) const { return down_scales ? decode_mxfp4(w[e], (*down_scales)[e], dtype) : w[e]; }
 };
 
-// silu(gate) * up, or gpt-oss's clamped form, over one row of I channels (gate then up in g).
+// silu(gate) * up, or the clamped form, over one row of I channels (gate then up in g).
 inline void activation(const float* g, float* a, int64_t inter, const ExpertMath& math) {
   if (!math.limit) {
     for (int64_t c = 0; c < inter; ++c) a[c] = g[c] / (1.f + std::exp(-g[c])) * g[inter + c];
     return;
   }
-  const float limit = static_cast<float>(*math.limit), alpha = static_cast<float>(math.alpha);
+  const float limit = static_cast<float>(*math.limit), alpha = static_cast<float>(math.alpha), offset = static_cast<float>(math.offset);
   for (int64_t c = 0; c < inter; ++c) {
     const float gate = std::min(g[c], limit), up = std::min(std::max(g[inter + c], -limit), limit);
-    a[c] = (up + 1.f) * gate / (1.f + std::exp(-alpha * gate));
+    a[c] = (up + offset) * gate / (1.f + std::exp(-alpha * gate));
   }
 }
 
@@ -146,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
                                                const c10::optional<at::Tensor>& gate_up_bias,
                                                const c10::optional<at::Tensor>& down_bias, c10::optional<double> swiglu_limit,
                                                double swiglu_alpha, const c10::optional<at::Tensor>& gate_up_scales,
-                                               const c10::optional<at::Tensor>& down_scales) {
+                                               const c10::optional<at::Tensor>& down_scales, double swiglu_offset) {
   TORCH_CHECK(x.dim() == 2 && local_ids.dim() == 2 && local_ids.size(0) == x.size(0), "x must be [T, H], local_ids [T, k]");
   TORCH_CHECK(local_ids.scalar_type() == at::kLong, "local_ids must be int64");
   TORCH_CHECK(weights.sizes() == local_ids.sizes(), "weights must be [T, k] like local_ids");
@@ -171,7 +172,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
     TORCH_CHECK(down_bias->dim() == 2 && down_bias->size(0) == num_experts && down_bias->size(1) == x.size(1),
                 "down_bias must be [E, H], got ", down_bias->sizes());
   const auto decoded = x.scalar_type() == at::kFloat ? at::kFloat : at::kBFloat16;  // MXFP4 values are exact in either
-  const ExpertMath math{gate_up_bias, down_bias, swiglu_limit, swiglu_alpha, gate_up_scales, down_scales,
+  const ExpertMath math{gate_up_bias, down_bias, swiglu_limit, swiglu_alpha, swiglu_offset, gate_up_scales, down_scales,
                         x.scalar_type() == at::kHalf ? at::kHalf : decoded};
   const at::Tensor ids = local_ids.contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -204,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
     at::Tensor gate = gate_and_up.narrow(1, 0, inter), up = gate_and_up.narrow(1, inter, inter), act;
     if (swiglu_limit) {  // as afd/models/layers.py: clamped_swiglu, op for op
       gate = gate.clamp_max(*swiglu_limit);
-      act = (up.clamp(-*swiglu_limit, *swiglu_limit) + 1) * gate * at::sigmoid(gate * swiglu_alpha);
+      act = (up.clamp(-*swiglu_limit, *swiglu_limit) + swiglu_offset) * gate * at::sigmoid(gate * swiglu_alpha);
     } else {
       act = at::silu(gate) * up;
     }

@@ -12,7 +12,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
                                                const c10::optional<at::Tensor>& gate_up_bias,
                                                const c10::optional<at::Tensor>& down_bias, c10::optional<double> swiglu_limit,
                                                double swiglu_alpha, const c10::optional<at::Tensor>& gate_up_scales,
-                                               const c10::optional<at::Tensor>& down_scales);
+                                               const c10::optional<at::Tensor>& down_scales, double swiglu_offset);
 
 bool paged_decode_vectorized();
 
@@ -50,5 +50,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("local_ids"), pybind11::arg("weights"), pybind11::arg("gate_up"), pybind11::arg("down"),
         pybind11::arg("gate_up_bias") = pybind11::none(), pybind11::arg("down_bias") = pybind11::none(),
         pybind11::arg("swiglu_limit") = pybind11::none(), pybind11::arg("swiglu_alpha") = 1.702,
-        pybind11::arg("gate_up_scales") = pybind11::none(), pybind11::arg("down_scales") = pybind11::none());
+        pybind11::arg("gate_up_scales") = pybind11::none(), pybind11::arg("down_scales") = pybind11::none(),
+        pybind11::arg("swiglu_offset") = 1.0);
 }
