@@ -98,19 +98,20 @@ class EngineCoreProcess:
 
     def poll(self, timeout: float) -> list:
         """Messages within ``timeout`` s. Raises :class:`EngineCoreDied` on a failure report or a death."""
-        out = []
+        out, broken = [], False
         ready = wait([self.conn, self.proc.sentinel], timeout)
         while self.conn in ready and self.conn.poll():
             try:
                 msg = self.conn.recv()
-            except EOFError:
+            except (EOFError, OSError):  # the pipe ended, or was reset (a process killed with bytes unread): it is dying
+                broken = True
                 break
             if isinstance(msg, Failed):
                 logging.getLogger(__name__).debug("%s", msg.detail)
                 raise EngineCoreDied(msg.text)
             out.append(msg)
-        if self.proc.sentinel in ready and not self.stopping:
-            self.proc.join(1.0)
+        if (broken or self.proc.sentinel in ready) and not self.stopping:
+            self.proc.join(5.0 if broken else 1.0)  # its exit names the cause (a broken pipe may come before the exit)
             raise EngineCoreDied(f"the engine core (pid {self.proc.pid}) died: {exit_reason(self.proc.exitcode)}")
         return out
 

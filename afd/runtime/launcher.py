@@ -257,7 +257,7 @@ class Launcher:
             while not r.conn.closed and r.conn in ready and r.conn.poll():
                 try:
                     got.append((r, r.conn.recv()))
-                except EOFError:
+                except (EOFError, OSError):  # ended, or reset by a rank killed with bytes unread: its sentinel says how
                     r.conn.close()
                     break
         exited = [r for r in self.ranks if not (r.done or r.failed or r.lost)

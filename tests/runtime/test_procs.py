@@ -32,3 +32,31 @@ def test_a_sigkilled_launchers_run_dir_is_removed_by_the_next_run(tmp_path):
     assert not left.exists() and not reused.exists(), "the dead launchers' directories stay"
     assert unowned.is_dir() and mine.is_dir(), "a directory of unknown or live ownership was removed"
     assert sweep_stale_run_dirs(str(tmp_path)) == [] and mine.is_dir()
+
+
+def test_an_engine_core_pipe_reset_is_reported_as_the_cores_death(monkeypatch):
+    """A core killed with bytes unread resets the pipe: the read fails with ECONNRESET before its sentinel
+    fires. That is its death, named by its exit (the front end once said 'Connection reset by peer' instead)."""
+    import multiprocessing as mp
+    import signal
+    import time
+
+    from afd.runtime import core as core_module
+    from afd.runtime.core import EngineCoreDied, EngineCoreProcess
+
+    proc = mp.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+    proc.start()
+    os.kill(proc.pid, signal.SIGKILL)  # our own child, by PID
+
+    class ResetPipe:
+        def poll(self, timeout=0):
+            return True
+
+        def recv(self):
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+    handle = object.__new__(EngineCoreProcess)
+    handle.conn, handle.proc, handle.stopping = ResetPipe(), proc, False
+    monkeypatch.setattr(core_module, "wait", lambda handles, timeout: [handle.conn])  # the reset, not yet the sentinel
+    with pytest.raises(EngineCoreDied, match=r"engine core \(pid \d+\) died: killed by SIGKILL"):
+        handle.poll(0.1)
