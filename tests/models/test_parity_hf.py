@@ -184,8 +184,8 @@ def test_canary_v3_bias_in_weights_fails(checkpoints):
         gate = model.model.layers[i].mlp.gate
         plain = gate.forward
 
-        def biased(x, gate=gate, plain=plain):
-            r = plain(x)
+        def biased(x, token_ids=None, gate=gate, plain=plain):
+            r = plain(x, token_ids)
             w = r.topk_weights + gate.e_score_correction_bias[r.topk_ids]
             w = w / w.sum(-1, keepdim=True) * gate.moe.routed_scaling_factor
             return Routing(topk_ids=r.topk_ids, topk_weights=w)
