@@ -96,7 +96,7 @@ def reference_attention(w: dict[str, torch.Tensor], s: V4Shapes, x: torch.Tensor
 
 
 def _compressed(w, s: V4Shapes, x, q_res, start: int, positions, cache: SequenceCache, rope: RotaryEmbedding):
-    csa = s.rate == 4 and s.index_topk > 0
+    csa = s.index_topk > 0  # CSA: overlapping windows and the lightning indexer; HCA: neither
     c = "compressor."
     new, _ = v4c.compress(F.linear(x, w[c + "kv_proj.weight"]), F.linear(x, w[c + "gate_proj.weight"]), start, cache.compressor,
                           s.rate, w[c + "position_bias"], w[c + "kv_norm.weight"], s.eps, rope, overlap=csa)

@@ -82,6 +82,20 @@ void read_sweep(const float* s, const float* k, const float* q, int64_t dk, int6
   }
 }
 
+// S = a S + k u^T in place, one row at a time (Fresh: S = k u^T, the old rows never read), asking for the rows of
+// ``next`` (the state read after this one; nullptr: none) while memory would otherwise be idle.
+template <bool Fresh>
+void write_sweep(float* s, const float* next, const float* k, const float* u, float a, int64_t dk, int64_t dv) {
+  for (int64_t i = 0; i < dk; ++i) {
+    float* __restrict r = s + i * dv;
+    if (next != nullptr)
+      for (int64_t c = 0; c < dv; c += kLineFloats) __builtin_prefetch(next + i * dv + c, 0, 2);
+    const float ki = k[i];
+#pragma omp simd
+    for (int64_t c = 0; c < dv; ++c) r[c] = (Fresh ? 0.f : a * r[c]) + ki * u[c];
+  }
+}
+
 // One token's head: o [dv] out, s [dk, dv] updated in place. sk, sq: [dv] scratch. next: the state this thread
 // reads after this one (nullptr: none, or a fresh one, not read): while the second sweep works on s from L2,
 // memory would be idle, so it asks for next's rows, one for each row of s it rewrites.
@@ -103,25 +117,10 @@ void step_one(const float* q, const float* k, const float* v, float g, float bet
     u[c] = beta * (v[c] - a * u[c]);
     o[c] = a * sq[c] + u[c] * kq;
   }
-  if (fresh) {
-    for (int64_t i = 0; i < dk; ++i) {
-      float* __restrict r = s + i * dv;
-      if (next != nullptr)
-        for (int64_t c = 0; c < dv; c += kLineFloats) __builtin_prefetch(next + i * dv + c, 0, 2);
-      const float ki = k[i];
-#pragma omp simd
-      for (int64_t c = 0; c < dv; ++c) r[c] = ki * u[c];
-    }
-  } else {
-    for (int64_t i = 0; i < dk; ++i) {
-      float* __restrict r = s + i * dv;
-      if (next != nullptr)
-        for (int64_t c = 0; c < dv; c += kLineFloats) __builtin_prefetch(next + i * dv + c, 0, 2);
-      const float ki = k[i];
-#pragma omp simd
-      for (int64_t c = 0; c < dv; ++c) r[c] = a * r[c] + ki * u[c];
-    }
-  }
+  if (fresh)
+    write_sweep<true>(s, next, k, u, a, dk, dv);
+  else
+    write_sweep<false>(s, next, k, u, a, dk, dv);
 }
 
 // x [D, H, n] float32 with each token's heads dense (its rows may be apart): x's row stride.
