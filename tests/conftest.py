@@ -74,6 +74,7 @@ def checkpoints(tmp_path_factory):
         (support.GPT_OSS_CASES, support.gpt_oss_config, 50),
         (support.DSA_CASES, support.dsa_config, 60),
         (support.HYBRID_CASES, support.hybrid_config, 70),
+        (support.V4_CASES, support.v4_config, 80),
     ]
     for cases, config, first_seed in families:
         for seed, (name, overrides) in enumerate(cases.items(), start=first_seed):

@@ -110,6 +110,17 @@ HYBRID_CASES = {
     "qwen3-next": dict(next=True, linear_num_value_heads=6, mlp_only_layers=[1], full_attention_interval=2),
 }
 
+V4_CASES = {
+    # DeepSeek-V4: a hash-routed layer, CSA (rate 4, the indexer's top 3) and HCA (rate 8) over a window of 8, two
+    # streams, 3 Sinkhorn rounds; the compressed branch's YaRN (attention_factor 1, as the release's)
+    "v4-csa-hca": dict(layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                                    "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    # HCA first, two hash-routed layers, three streams, the default rope
+    "v4-hca-first": dict(layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                                      "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], hc_mult=3),
+}
+
 #: what every tiny test model shares (decisive init: see the module docstring)
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
             max_position_embeddings=256, initializer_range=0.15, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
@@ -189,6 +200,18 @@ def hybrid_config(next: bool = False, multimodal: bool = False, **overrides):
     return Qwen3_5MoeTextConfig(**text)
 
 
+def v4_config(**overrides):
+    """DeepSeek-V4, small (see V4_CASES). Eight index heads: with two, relu(q . k) is zero in every head for a
+    quarter of the entries, so the indexer's top-k meets exact ties that any two batch shapes break differently."""
+    from transformers import DeepseekV4Config
+
+    tiny = {k: v for k, v in TINY.items() if k != "intermediate_size"}
+    base = dict(num_attention_heads=4, head_dim=32, partial_rotary_factor=0.25, q_lora_rank=16, o_groups=2, o_lora_rank=16, sliding_window=8,
+                compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, index_n_heads=8,
+                index_head_dim=16, index_topk=3, n_routed_experts=8, n_shared_experts=1, hc_mult=2, hc_sinkhorn_iters=3)
+    return DeepseekV4Config(**{**tiny, **base, **overrides})
+
+
 def hf_layers(hf_model):
     """The decoder layers of a transformers model (a multimodal one's language model's)."""
     inner = hf_model.model
@@ -218,6 +241,13 @@ def build_hf_model(config, seed: int = 0):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
             elif name.endswith("norm.weight") and "qwen3_" in config.model_type and "visual" not in name:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.3)  # zero-centred norms start at 0: make 1 + w matter
+            elif name.endswith(("position_bias", "hc.base", "hc_head.hc_base")):  # DeepSeek-V4 starts these at zero
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif name.endswith(("hc.scale", "hc_head.hc_scale")):  # ... and these at one
+                p.copy_(1 + torch.rand(p.shape, generator=gen) * 3)
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):  # DeepSeek-V4's hash table starts at zero: a random one, distinct experts per token
+                b.copy_(torch.stack([torch.randperm(config.n_routed_experts, generator=gen)[: b.shape[1]] for _ in range(b.shape[0])]))
     return model
 
 
@@ -334,6 +364,9 @@ def selection_scores(router_logits: torch.Tensor, config, bias: torch.Tensor | N
     MiniMax-M2 sigmoid + bias over every expert."""
     if bias is not None and config.model_type == "minimax_m2":
         return router_logits.float().sigmoid() + bias
+    if config.model_type == "deepseek_v4":  # sqrt(softplus), plus the bias of a top-k layer (a hash layer's table chooses)
+        scores = torch.nn.functional.softplus(router_logits.float()).sqrt()
+        return scores if bias is None else scores + bias
     if bias is not None:
         scores = router_logits.float().sigmoid() + bias
         groups = scores.view(scores.shape[0], config.n_group, -1)
@@ -366,16 +399,19 @@ def cache_config(model, block_size: int, num_blocks: int, num_seqs: int = 8):
     """A CacheConfig for ``model``: with state slots for ``num_seqs`` sequences when it has linear-attention layers."""
     from afd.config import CacheConfig
 
-    return CacheConfig(block_size=block_size, num_blocks=num_blocks, num_state_slots=num_seqs if model.config.linear else 0)
+    return CacheConfig(block_size=block_size, num_blocks=num_blocks, num_state_slots=num_seqs if model.config.linear else 0,
+                       num_window_blocks=num_blocks if model.config.compressed else 0)
 
 
 def runner_and_blocks(model, block_size: int, num_blocks: int, num_seqs: int = 8):
-    """A monolithic runner and a block manager of the same cache (state slots where the model needs them)."""
+    """A monolithic runner and a block manager of the same cache (state slots where the model needs them;
+    DeepSeek-V4's window pool, as large as the full one: nothing is released behind the window)."""
     from afd.engine.model_runner import ModelRunner
-    from afd.kvcache import BlockManager
+    from afd.kvcache import make_blocks
 
     cache = cache_config(model, block_size, num_blocks, num_seqs)
-    return ModelRunner(model, cache), BlockManager(num_blocks, block_size, num_state_slots=cache.num_state_slots)
+    return ModelRunner(model, cache), make_blocks(num_blocks, block_size, False, cache.num_window_blocks, model.config.sliding_window or 0,
+                                                  cache.num_state_slots)
 
 
 def new_chunk(blocks, seq_id: int, tokens: list[int]):

@@ -35,7 +35,7 @@ from afd.distributed.topology import Topology
 from afd.kvcache import AttentionMetadata, PagedKVCache, SeqChunk, build_attention_metadata, last_token_rows
 from afd.models.base import MoEModel, Observer
 from afd.microbatch import Action, CostModel, MicrobatchPlan, ping_pong
-from afd.types import Routing
+from afd.types import AttentionOutput, Routing
 
 
 @dataclass(slots=True)
@@ -48,6 +48,7 @@ class _Microbatch:
     hidden: torch.Tensor | None = None  # [t, H] layer input
     residual: torch.Tensor | None = None
     ffn_input: torch.Tensor | None = None
+    mix: tuple | None = None  # DeepSeek-V4's stream mixing (AttentionOutput.mix)
     routing: Routing | None = None
     handle: DispatchHandle | None = None
     local_out: torch.Tensor | None = None  # FFN half computed on this rank
@@ -185,7 +186,8 @@ class DisaggregatedRunner:
                 first = offsets[span.seq] + span.start - c.start
                 rows.append(ids[first : first + span.length])
                 mb_chunks.append(replace(c, start=span.start, length=span.length))
-            meta = build_attention_metadata(mb_chunks, self.cache_config.block_size, self.device, windows=self.model.config.windows)
+            meta = build_attention_metadata(mb_chunks, self.cache_config.block_size, self.device, windows=self.model.config.windows,
+                                            rates=self.model.config.compression_rates)
             mbs.append(_Microbatch(k, torch.cat(rows), meta))
         mbs += [_Microbatch(k, None, None) for k in range(len(mbs), step.num_microbatches)]
         return mbs
@@ -237,7 +239,7 @@ class DisaggregatedRunner:
         if record:
             mb.captured[(layer, "layer_input")] = mb.hidden
         out = m.attention(layer, mb.hidden, mb.meta, self.kv_cache.layer(layer))
-        mb.residual, mb.ffn_input = out.residual, out.ffn_input
+        mb.residual, mb.ffn_input, mb.mix = out
         if record:
             mb.captured[(layer, "attn_output")] = out.residual
         is_moe = m.config.is_moe_layer(layer)
@@ -275,8 +277,8 @@ class DisaggregatedRunner:
                 shared = m.shared_experts(layer, mb.ffn_input)
                 if shared is not None:
                     y = y + shared
-        mb.hidden = mb.residual + y
-        mb.handle = mb.local_out = mb.routing = mb.residual = mb.ffn_input = None
+        mb.hidden = m.merge(layer, AttentionOutput(mb.residual, mb.ffn_input, mb.mix), y)
+        mb.handle = mb.local_out = mb.routing = mb.residual = mb.ffn_input = mb.mix = None
         if record:
             mb.captured[(layer, "ffn_output")] = mb.hidden
 

@@ -132,6 +132,50 @@ class LinearAttentionConfig:
 
 
 @dataclass(frozen=True)
+class CompressedAttentionConfig:
+    """DeepSeek-V4's attention (afd/models/deepseek_v4.py). Shared-KV MQA of ``head_dim`` (the trailing
+    ``rope_dim`` channels rotated) over a sliding ``window`` on every layer; a layer of rate r > 0 also attends to
+    one compressed entry per r tokens: CSA (``csa_layers``: overlapping windows, the lightning indexer's
+    ``index_topk`` picks of ``index_heads`` x ``index_head_dim``) or HCA (every entry). The CSA and HCA layers rotate
+    with ``compress_rope`` (the model's ``rope`` serves the sliding-only ones). The residual stream is ``hc_mult``
+    streams wide (hyper-connections, ``hc_sinkhorn_iters`` Sinkhorn rounds); the output projection is grouped
+    (``o_groups`` x ``o_lora_rank``)."""
+
+    rates: tuple[int, ...]  # per layer: 0 (the window only) or the tokens per compressed entry
+    csa_layers: tuple[int, ...]
+    window: int
+    head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    compress_rope: RopeConfig
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+
+    def __post_init__(self) -> None:
+        for name in ("window", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "hc_mult", "hc_sinkhorn_iters"):
+            _positive(name, getattr(self, name))
+        if not any(self.rates):
+            raise ValueError("a DeepSeek-V4 model without a compressed layer (every compress rate 0) is not supported")
+        for i, r in enumerate(self.rates):  # the compressor's pending tokens lie inside the window (afd's cache keeps them there)
+            need = 2 * r if i in self.csa_layers else r
+            if r < 0 or need > self.window:
+                raise ValueError(f"layer {i}: compress rate {r} needs a sliding window of at least {need} tokens, got {self.window}")
+        if any(self.rates[i] == 0 for i in self.csa_layers):
+            raise ValueError("a CSA layer needs a compress rate > 0")
+
+    def rate(self, layer: int) -> int:
+        return self.rates[layer]
+
+    def is_csa(self, layer: int) -> bool:
+        return layer in self.csa_layers
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """Routed experts, shared experts and the router of the MoE layers.
 
@@ -244,6 +288,7 @@ class ModelConfig:
     zero_centred_norm: bool = False
     #: where the language model's tensors live in the checkpoint (a multimodal release: ``model.language_model.``)
     checkpoint_prefix: str = "model."
+    compressed: CompressedAttentionConfig | None = None  # DeepSeek-V4: compressed attention and hyper-connections
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"):
@@ -292,6 +337,11 @@ class ModelConfig:
     def kv_layers(self) -> tuple[int, ...]:
         """The layers that cache KV per token (every layer but the linear-attention ones)."""
         return tuple(i for i in range(self.num_layers) if not self.is_linear_layer(i))
+
+    @property
+    def compression_rates(self) -> tuple[int, ...]:
+        """The distinct compress rates of a DeepSeek-V4 model's layers (what a step's metadata lays out)."""
+        return tuple(sorted(set(self.compressed.rates) - {0})) if self.compressed is not None else ()
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe.layers

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from afd.config import ModelConfig
+from afd.kvcache import layout_bytes
+from afd.models.deepseek_v4 import cache_layouts
 from afd.models.gated_deltanet import CHUNK
 from afd.models.paged_attention import WORKSPACE_BYTES
 
@@ -50,7 +52,12 @@ class StepBudget:
     def for_model(cls, config: ModelConfig, dtype: torch.dtype, max_model_len: int, max_num_seqs: int) -> "StepBudget":
         b = torch.empty((), dtype=dtype).element_size()
         h, moe = config.hidden_size, config.moe
-        if config.mla is not None:
+        if config.compressed is not None:  # DeepSeek-V4: q and its output per head, the q latent, the key and the
+            v = config.compressed  # compressor's projections, the indexer's query; the fp32 streams and their mixing
+            attention = 3 * config.num_heads * v.head_dim + v.q_lora_rank + 6 * v.head_dim + (v.index_heads + 4) * v.index_head_dim
+            attention += v.o_groups * v.o_lora_rank + 2 * (4 // b) * v.hc_mult * (h + v.hc_mult + 2)
+            kv_per_token, decompressed = v.head_dim, 0
+        elif config.mla is not None:
             m = config.mla
             attention = config.num_heads * (m.qk_head_dim + m.kv_lora_rank + m.qk_rope_head_dim + m.v_head_dim)
             kv_per_token = m.kv_lora_rank + m.qk_rope_head_dim  # one layer's cache entry
@@ -75,6 +82,9 @@ class StepBudget:
         # per (token, key) at the longest context: fp32 scores, probabilities and a mask per head, and a
         # decode token's gathered key (with an einsum's copy) and value
         scores = max_model_len * (12 * config.num_heads + 3 * b * kv_per_token)
+        if config.compressed is not None:  # a query reads its window and at most one entry per window of the smallest rate
+            v = config.compressed
+            scores = (v.window + max_model_len // min(config.compression_rates)) * (12 * (config.num_heads + v.index_heads) + 3 * b * v.head_dim)
         return cls(per_token, context + logits, b * (2 * h + ffn) + 4 * (moe.num_experts + moe.top_k), scores)
 
     def bytes_for(self, num_tokens: int) -> int:
@@ -155,7 +165,7 @@ def window_pool_blocks(config: ModelConfig, block_size: int, max_num_seqs: int, 
     if not config.sliding_layers:
         return 0
     per_seq = -(-(config.sliding_window - 1) // block_size) + 2
-    if per_seq >= -(-max_model_len // block_size):
+    if per_seq >= -(-max_model_len // block_size) and config.compressed is None:  # DeepSeek-V4 keeps more than keys there: always a pool
         return 0
     return max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size)
 
@@ -163,6 +173,13 @@ def window_pool_blocks(config: ModelConfig, block_size: int, max_num_seqs: int, 
 def kv_pools(config: ModelConfig, dtype: torch.dtype, kv_cache_memory: int, block_size: int, window_blocks: int) -> int:
     """Full-pool blocks of a KV cache of ``kv_cache_memory`` bytes once a window pool of ``window_blocks``
     (its sliding layers' share) is taken out."""
+    if config.compressed is not None:  # DeepSeek-V4: what its layers keep in each pool (afd/models/deepseek_v4.py)
+        full, window = layout_bytes(cache_layouts(config), block_size, dtype)
+        num_blocks = (kv_cache_memory - window_blocks * window) // full
+        if num_blocks < 1:
+            raise ValueError(f"kv cache memory {kv_cache_memory} B holds no block of {full} B of compressed entries (the "
+                             f"sliding-window pool takes {window_blocks * window} B); raise --kv-cache-memory")
+        return int(num_blocks)
     layer_block = kv_layer_bytes(config, dtype) * block_size
     windowed = len(config.sliding_layers) if window_blocks else 0
     rest = kv_cache_memory - window_blocks * layer_block * windowed

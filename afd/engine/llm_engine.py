@@ -37,7 +37,7 @@ def cache_config_for(model: MoEModel, kv_cache_memory: int, block_size: int, dty
     slots = state_slots(config, dtype, kv_cache_memory, max(max_num_seqs, 1), state_dtype)
     probe = CacheConfig(block_size=block_size, num_blocks=1, num_state_slots=slots, state_dtype=state_dtype)
     layers, linear = len(config.kv_layers), len(config.linear.layers) if config.linear else 0
-    if (PagedKVCache.bytes_per_block(probe, layers, model.kv_layout(), dtype) != kv_layer_bytes(config, dtype) * block_size * layers
+    if model.cache_layouts() is None and (PagedKVCache.bytes_per_block(probe, layers, model.kv_layout(), dtype) != kv_layer_bytes(config, dtype) * block_size * layers
             or PagedKVCache.bytes_per_slot(probe, linear, model.state_layout(), dtype) != state_slot_bytes(config, dtype, state_dtype)):
         raise AssertionError("afd/engine/budget.py counts another KV entry or state than the model's kv_layout and state_layout")
     kv_cache_memory -= slots * state_slot_bytes(config, dtype, state_dtype)

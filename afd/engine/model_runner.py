@@ -66,7 +66,8 @@ class ModelRunner:
     def run(self, token_ids: Sequence[int], chunks: Sequence[SeqChunk], observer: Observer | None = None) -> torch.Tensor:
         """token_ids: the chunks' new tokens, concatenated in chunk order. Returns the last layer's hidden
         states [T, H] of every token (before the final norm: ``model.head`` applies it)."""
-        meta = build_attention_metadata(chunks, self.cache_config.block_size, self.device, windows=self.model.config.windows)
+        meta = build_attention_metadata(chunks, self.cache_config.block_size, self.device, windows=self.model.config.windows,
+                                            rates=self.model.config.compression_rates)
         if len(token_ids) != meta.num_tokens:
             raise ValueError(f"{len(token_ids)} token ids for chunks holding {meta.num_tokens} tokens")
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)

@@ -2,16 +2,21 @@
 the pooled cache tensors, per-step metadata."""
 
 from afd.kvcache.block_manager import BlockManager, OutOfBlocksError
-from afd.kvcache.cache import PagedKVCache
-from afd.kvcache.metadata import PAGE_TOKENS, AttentionMetadata, DecodePages, PrefillChunk, SeqChunk, StateSlots, build_attention_metadata, last_token_rows
+from afd.kvcache.cache import CacheTensor, PagedKVCache, layout_bytes
+from afd.kvcache.metadata import PAGE_TOKENS, AttentionMetadata, CompressedSeq, entry_rows, rows_per_block, DecodePages, PrefillChunk, SeqChunk, StateSlots, build_attention_metadata, last_token_rows
 from afd.kvcache.windowed import Prefix, WindowedBlocks, make_blocks
 
 __all__ = [
     "PAGE_TOKENS",
     "AttentionMetadata",
+    "CompressedSeq",
+    "entry_rows",
+    "rows_per_block",
     "DecodePages",
     "PrefillChunk",
     "BlockManager",
+    "CacheTensor",
+    "layout_bytes",
     "OutOfBlocksError",
     "PagedKVCache",
     "Prefix",

@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from afd.config import CacheConfig
+from afd.kvcache.metadata import rows_per_block
+
+
+@dataclass(frozen=True)
+class CacheTensor:
+    """One tensor of a layer whose cache is more than per-token KV (DeepSeek-V4): ``shape`` per row; a row per
+    token of the window pool (``window``), or a row per ``rate`` tokens of the full pool (compressed entries)."""
+
+    shape: tuple[int, ...]
+    window: bool = False
+    rate: int = 1
+
+    def rows(self, cache: CacheConfig) -> int:
+        blocks = cache.num_window_blocks if self.window else cache.num_blocks
+        return blocks * rows_per_block(self.rate, cache.block_size)
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return rows_per_block(self.rate, block_size) * int(torch.Size(self.shape).numel()) * dtype.itemsize
+
+
+def layout_bytes(layouts: Sequence[Sequence[CacheTensor]], block_size: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes per full-pool block, bytes per window-pool block) of every layer's ``layouts``."""
+    full = sum(t.bytes_per_block(block_size, dtype) for layout in layouts for t in layout if not t.window)
+    window = sum(t.bytes_per_block(block_size, dtype) for layout in layouts for t in layout if t.window)
+    return full, window
 
 
 class PagedKVCache:
@@ -30,8 +56,14 @@ class PagedKVCache:
         window_layers: Sequence[int] = (),
         state_layers: Sequence[int] = (),
         state_layout: Sequence[tuple[int, ...]] = (),
+        layouts: Sequence[Sequence[CacheTensor]] | None = None,
     ) -> None:
         self.config = cache
+        if layouts is not None:  # per layer, what the model says (DeepSeek-V4)
+            if not cache.num_window_blocks and any(t.window for layout in layouts for t in layout):
+                raise ValueError("this model keeps its windows in a window pool: CacheConfig.num_window_blocks must be > 0")
+            self.layers = [tuple(torch.zeros(t.rows(cache), *t.shape, dtype=dtype, device=device) for t in layout) for layout in layouts]
+            return
         windowed = set(window_layers) if cache.num_window_blocks else set()
         if state_layers and not cache.num_state_slots:
             raise ValueError("a model with linear-attention layers needs state slots (CacheConfig.num_state_slots)")
@@ -55,7 +87,7 @@ class PagedKVCache:
         """The cache of a model (an ``afd.models.MoEModel``): its KV layout, sliding and linear-attention layers."""
         c = model.config
         return cls(cache, c.num_layers, model.kv_layout(), model.model.embed_tokens.weight.dtype, device, c.sliding_layers,
-                   c.linear.layers if c.linear is not None else (), model.state_layout())
+                   c.linear.layers if c.linear is not None else (), model.state_layout(), model.cache_layouts())
 
     def layer(self, i: int) -> tuple[torch.Tensor, ...]:
         return self.layers[i]

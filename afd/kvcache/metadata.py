@@ -105,6 +105,43 @@ class StateSlots:
 
 
 @dataclass(frozen=True, slots=True)
+class CompressedSeq:
+    """One sequence of a step, for DeepSeek-V4's compressed attention (afd/models/deepseek_v4.py), which runs per
+    sequence: its rows ``[row, row + length)`` of the batch after ``start`` cached tokens; ``window_slots``: the
+    window pool's slots of positions ``window_start``..end-1; ``entry_rows``: per compress rate r, the rows of its
+    compressed entries 0..end//r - 1 (:func:`entry_rows`)."""
+
+    row: int
+    start: int
+    length: int
+    window_start: int
+    window_slots: torch.Tensor
+    entry_rows: dict[int, torch.Tensor]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def rows_per_block(rate: int, block_size: int) -> int:
+    """Rows a block of ``block_size`` tokens holds of a tensor with one row per ``rate`` tokens (a compressed entry
+    per window): block_size / rate, or 1 when a window spans blocks. One must divide the other."""
+    if block_size % rate and rate % block_size:
+        raise ValueError(f"a compress rate of {rate} tokens and blocks of {block_size} tokens: one must divide the other")
+    return max(1, block_size // rate)
+
+
+def entry_rows(table: Sequence[int], rate: int, block_size: int, count: int) -> torch.Tensor:
+    """[count] rows of entries 0..count-1 of rate ``rate`` in a sequence's full-pool blocks. Entry e is kept in the
+    block of its window's *last* token, (e + 1) rate - 1: it is written in the step that fills that block, and the
+    block's name (prefix cache) covers every token the entry depends on."""
+    last = (torch.arange(count, dtype=torch.long) + 1) * rate - 1
+    blocks = torch.tensor(list(table[: -(-(count * rate) // block_size)]), dtype=torch.long)[last // block_size] if count else last
+    per_block = rows_per_block(rate, block_size)
+    return blocks * per_block + (last % block_size) // rate if per_block > 1 else blocks
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Where a flat batch of T tokens from S sequences reads and writes KV, with nothing padded:
 
@@ -119,6 +156,8 @@ class AttentionMetadata:
                   afd/models/sparse_attention.py), owned by the batch like the rest
     window_slot_mapping  [T] with a sliding-window pool: the slot each token's KV takes in the sliding layers'
                   cache (their own pool and tables); None: those layers use ``slot_mapping``
+    state         the state slots of a hybrid model's sequences
+    compressed    every sequence of the step, for DeepSeek-V4's compressed attention (built with ``rates``)
     """
 
     positions: torch.Tensor
@@ -130,6 +169,7 @@ class AttentionMetadata:
     layer_state: dict[str, Any] = field(default_factory=dict, compare=False)
     window_slot_mapping: torch.Tensor | None = None
     state: StateSlots | None = None
+    compressed: tuple[CompressedSeq, ...] = ()
 
     def slots_for(self, window: int) -> torch.Tensor:
         """Where a layer of this window writes the step's KV."""
@@ -154,7 +194,7 @@ class AttentionMetadata:
 
 
 def build_attention_metadata(chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu",
-                             page_tokens: int = PAGE_TOKENS, windows: Sequence[int] = ()) -> AttentionMetadata:
+                             page_tokens: int = PAGE_TOKENS, windows: Sequence[int] = (), rates: Sequence[int] = ()) -> AttentionMetadata:
     if not chunks:
         raise ValueError("a batch needs at least one sequence chunk")
     for c in chunks:
@@ -184,7 +224,16 @@ def build_attention_metadata(chunks: Sequence[SeqChunk], block_size: int, device
     window_chunks = [SeqChunk([0 if b is None else b for b in c.window_table], c.start, c.length) for c in decode_chunks] if pooled else decode_chunks
     windowed = tuple((w, _decode_pages(window_chunks, decode_rows, block_size, page_tokens, device, w))
                      for w in sorted(set(windows)) if decoding)
+    compressed = ()
+    if rates:  # DeepSeek-V4: every layer reads its window from the window pool
+        if not pooled:
+            raise ValueError("compressed attention keeps its window in a window pool: every chunk needs its window table")
+        compressed = tuple(CompressedSeq(rows[s], c.start, c.length, max(0, c.start - window + 1),
+                                         _slots(c.window_table, block_size, max(0, c.start - window + 1), c.end).to(device),
+                                         {r: entry_rows(c.block_table, r, block_size, c.end // r).to(device) for r in rates})
+                           for s, c in enumerate(chunks))
     return AttentionMetadata(
+        compressed=compressed,
         state=_state_slots(chunks, device),
         positions=positions_t.to(device),
         slot_mapping=slot_mapping.to(device),

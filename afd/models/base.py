@@ -191,6 +191,14 @@ class MoEModel(nn.Module):
         """Shapes of what one sequence keeps per linear-attention layer (its state slot); () without such layers."""
         return ()
 
+    #: module names whose parameters stay fp32 whatever the model's dtype (DeepSeek-V4's norms, sinks, hyper-connections)
+    fp32_modules: frozenset[str] = frozenset()
+
+    def cache_layouts(self) -> list[tuple] | None:
+        """Per layer, the ``afd.kvcache.CacheTensor`` s it caches, for a model whose cache is more than per-token KV
+        and state (DeepSeek-V4); None: ``kv_layout`` and ``state_layout`` say it."""
+        return None
+
     def make_attention(self, layer: int) -> nn.Module:
         raise NotImplementedError
 
@@ -247,6 +255,11 @@ class MoEModel(nn.Module):
         residual = hidden + attn
         return AttentionOutput(residual, block.post_attention_layernorm(residual))
 
+    def merge(self, layer: int, out: AttentionOutput, ffn_output: torch.Tensor) -> torch.Tensor:
+        """The next layer's input from the attention half's output and the FFN half's: the residual sum (DeepSeek-V4
+        mixes its streams instead)."""
+        return out.residual + ffn_output
+
     def router(self, layer: int, ffn_input: torch.Tensor, token_ids: torch.Tensor | None = None) -> Routing:
         """The layer's top-k; ``token_ids`` [T] (the rows' tokens) are read by a hash-routed layer only."""
         gate = self._moe(layer).gate
@@ -279,7 +292,11 @@ class MoEModel(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: hidden [N, H] -> logits [N, V] in fp32."""
         self._check_loaded(self.lm_head.weight, "LM head")
-        return self.lm_head(self.model.norm(hidden)).float()
+        return self.lm_head(self.final_norm(hidden)).float()
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last layer's output [N, H] -> what the LM head reads (DeepSeek-V4 collapses its streams first)."""
+        return self.model.norm(hidden)
 
     # ------------------------------------------------------------------ monolithic
     def ffn(self, layer: int, ffn_input: torch.Tensor, observer: Observer | None = None,
@@ -310,9 +327,9 @@ class MoEModel(nn.Module):
             out = self.attention(i, hidden, meta, kv_cache.layer(i))
             if observer is not None:
                 observer(i, "attn_output", out.residual)
-            hidden = out.residual + self.ffn(i, out.ffn_input, observer, input_ids)
+            hidden = self.merge(i, out, self.ffn(i, out.ffn_input, observer, input_ids))
             if observer is not None:
                 observer(i, "ffn_output", hidden)
         if observer is not None:
-            observer(self.config.num_layers, "final_hidden", self.model.norm(hidden))
+            observer(self.config.num_layers, "final_hidden", self.final_norm(hidden))
         return hidden

@@ -15,7 +15,7 @@ from typing import Any
 
 from dataclasses import replace
 
-from afd.config import DSAConfig, LinearAttentionConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig
+from afd.config import CompressedAttentionConfig, DSAConfig, LinearAttentionConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -35,6 +35,7 @@ ARCHITECTURES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",  # the release: a vision tower beside the language model
+    "deepseek_v4": "DeepseekV4ForCausalLM",
 }
 
 
@@ -53,10 +54,6 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
 def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     model_type = raw.get("model_type")
     archs = raw.get("architectures") or []
-    if model_type == "deepseek_v4":
-        raise UnsupportedArchitectureError("DeepSeek-V4 (model_type deepseek_v4) is not served yet: its parts are built and "
-                                           "checked against transformers, its compressed attention over afd's paged cache "
-                                           "is not (docs/design/deepseek-v4.md)")
     if model_type not in ARCHITECTURES:
         supported = ", ".join(f"{a} (model_type {t!r})" for t, a in ARCHITECTURES.items())
         raise UnsupportedArchitectureError(
@@ -76,6 +73,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         return _parse_hybrid(raw, next_layout=model_type == "qwen3_next")
     if model_type == "qwen3_5_moe":
         return _parse_multimodal(raw)
+    if model_type == "deepseek_v4":
+        return _parse_deepseek_v4(raw)
     return _parse_qwen3_moe(raw)
 
 
@@ -333,6 +332,59 @@ def _parse_multimodal(raw: dict[str, Any]) -> ModelConfig:
         raise UnsupportedArchitectureError("a qwen3_5_moe checkpoint without text_config: afd serves its language model")
     inherited = {k: raw[k] for k in ("tie_word_embeddings", "eos_token_id", "bos_token_id") if k in raw and k not in text}
     return replace(_parse_hybrid({**inherited, **text}, next_layout=False), checkpoint_prefix="model.language_model.")
+
+
+_V4_KINDS = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+def _parse_deepseek_v4(raw: dict[str, Any]) -> ModelConfig:
+    """DeepSeek-V4 as transformers' ``DeepseekV4Config.__post_init__`` reads it, the legacy keys of the release
+    included (``compress_ratios``, ``compress_rate_csa/hca``, ``num_hash_layers``, ``qk_rope_head_dim``): per-layer
+    compress rates, hash-routed first layers, the main rotary (sliding layers) and the compressed branch's (its
+    YaRN, ``attention_factor`` 1)."""
+    n, head_dim = raw["num_hidden_layers"], raw.get("head_dim", 512)
+    rates = {**{k: v for k, v in _V4_KINDS.items() if v}, **(raw.get("compress_rates") or {})}
+    rates.update({k: raw[f"compress_rate_{a}"] for k, a in (("compressed_sparse_attention", "csa"), ("heavily_compressed_attention", "hca"))
+                  if raw.get(f"compress_rate_{a}") is not None})
+    legacy = {r: k for k, r in _V4_KINDS.items()}
+    if set(raw.get("compress_ratios") or ()) - set(legacy):
+        raise UnsupportedArchitectureError(f"DeepSeek-V4 compress_ratios must each be 0, 4 or 128, got {raw['compress_ratios']}")
+    kinds = raw.get("layer_types") or (
+        [legacy[r] for r in raw["compress_ratios"]] if raw.get("compress_ratios") is not None else
+        ["heavily_compressed_attention"] * min(n, 2) + ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+                                                        for i in range(max(n - 2, 0))])
+    kinds = list(kinds)[:n]
+    if len(kinds) != n or set(kinds) - set(_V4_KINDS):
+        raise UnsupportedArchitectureError(f"DeepSeek-V4 layer_types must name {n} layers, each one of {', '.join(_V4_KINDS)}; got {kinds}")
+    mlp = raw.get("mlp_layer_types") or ["hash_moe"] * min(n, raw.get("num_hash_layers", 3)) + ["moe"] * max(0, n - raw.get("num_hash_layers", 3))
+    partial = raw.get("partial_rotary_factor") or (raw["qk_rope_head_dim"] / head_dim if raw.get("qk_rope_head_dim") else 64 / 512)
+    rope_dim = int(head_dim * partial)
+    params = raw.get("rope_parameters") or {}
+    if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
+        main, compress = params["main"], params["compress"]
+    else:
+        scaling = {**(raw.get("rope_scaling") or {}), **params}
+        main = {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0)}
+        compress = {**scaling, "rope_theta": raw.get("compress_rope_theta", 160000.0)}
+        if compress.get("rope_type", compress.get("type", "default")) == "yarn":
+            compress.setdefault("attention_factor", 1.0)
+    rope = lambda p: _rope({**raw, "rope_parameters": p, "rope_scaling": None}, rope_dim, interleaved=True)  # noqa: E731
+    moe = MoEConfig(num_experts=raw["n_routed_experts"], top_k=raw["num_experts_per_tok"], intermediate_size=raw["moe_intermediate_size"],
+                    layers=tuple(range(n)), num_shared_experts=raw.get("n_shared_experts", 1), topk_method="noaux_tc",
+                    scoring=raw.get("scoring_func", "sqrtsoftplus"), scale_after_norm=True, norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                    routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.5)), swiglu_limit=float(raw.get("swiglu_limit", 10.0)),
+                    swiglu_alpha=1.0, swiglu_offset=0.0, hash_layers=tuple(i for i, t in enumerate(mlp[:n]) if t == "hash_moe"))
+    window = raw.get("sliding_window", 128)
+    compressed = CompressedAttentionConfig(
+        rates=tuple(rates.get(k, 0) for k in kinds), csa_layers=tuple(i for i, k in enumerate(kinds) if k == "compressed_sparse_attention"),
+        window=window, head_dim=head_dim, q_lora_rank=raw.get("q_lora_rank", 1024), o_groups=raw.get("o_groups", 8),
+        o_lora_rank=raw.get("o_lora_rank", 1024), index_heads=raw.get("index_n_heads", 64), index_head_dim=raw.get("index_head_dim", 128),
+        index_topk=raw.get("index_topk", 512), compress_rope=rope(compress), hc_mult=raw.get("hc_mult", 4),
+        hc_sinkhorn_iters=raw.get("hc_sinkhorn_iters", 20), hc_eps=float(raw.get("hc_eps", 1e-6)))
+    common = _common({"intermediate_size": raw["moe_intermediate_size"], "num_key_value_heads": 1, **raw})
+    return ModelConfig(architecture="DeepseekV4ForCausalLM", **common, head_dim=head_dim, rope=rope(main), moe=moe,
+                       num_mtp_layers=_mtp_layers(raw), attention_sinks=True, sliding_window=window, sliding_layers=tuple(range(n)),
+                       compressed=compressed)
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:

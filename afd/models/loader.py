@@ -107,6 +107,8 @@ def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def _target_dtype(model: MoEModel, name: str, dtype: torch.dtype) -> torch.dtype:
+    if model.fp32_modules.intersection(name.split(".")):
+        return torch.float32
     if name.endswith("mlp.gate.tid2eid"):
         return torch.long  # DeepSeek-V4's hash table: expert ids
     if name.endswith("mlp.gate.e_score_correction_bias") or (name.endswith(("mlp.gate.weight", "mlp.gate.bias"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from afd.models.base import MoEModel
+from afd.models.deepseek_v4 import DeepseekV4Model
 from afd.models.deepseek_v2 import DeepseekV2Model, DeepseekV3Model, DeepseekV32Model
 from afd.models.glm4_moe import Glm4MoeModel
 from afd.models.gpt_oss import GptOssModel
@@ -21,6 +22,7 @@ MODEL_CLASSES: dict[str, type[MoEModel]] = {
     "GptOssForCausalLM": GptOssModel,
     "Qwen3NextForCausalLM": Qwen3NextModel,
     "Qwen3_5MoeForCausalLM": Qwen3NextModel,
+    "DeepseekV4ForCausalLM": DeepseekV4Model,
 }
 
 

@@ -35,6 +35,13 @@ def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor
     return torch.einsum("thl,ld->thd", probs.to(keys.dtype), keys)
 
 
+def index_scores(iq: torch.Tensor, index_keys: torch.Tensor, weights: torch.Tensor, index_dim: int) -> torch.Tensor:
+    """The lightning indexer's score of each entry for each query: iq [t, heads, d], index_keys [E, d], weights
+    [t, heads] (fp32, already scaled by heads^-1/2) -> [t, E] fp32: sum_h w_h relu(q_h . k_e) d^-1/2."""
+    scores = F.relu(torch.einsum("thd,ed->the", iq.float(), index_keys.float())) * index_dim**-0.5
+    return (scores * weights[..., None]).sum(dim=1)
+
+
 def grouped_output(out: torch.Tensor, o_a: torch.Tensor, o_b: torch.Tensor, groups: int) -> torch.Tensor:
     """out [t, Hq * d] -> hidden [t, H]: each of ``groups`` slices projected by its block of ``o_a`` [G * r, Hq d / G],
     the concatenation mixed by ``o_b`` [H, G * r]."""
@@ -111,9 +118,8 @@ def _compressed(w, s: V4Shapes, x, q_res, start: int, positions, cache: Sequence
     cache.index_keys.append(index_new)
     index_keys = torch.cat(cache.index_keys)
     iq = v4c.rotate_tail(F.linear(q_res, w[i + "q_b_proj.weight"]).view(x.shape[0], s.index_heads, s.index_dim), positions, rope)
-    scores = F.relu(torch.einsum("thd,ed->the", iq.float(), index_keys.float())) * s.index_dim**-0.5
     weights = F.linear(x, w[i + "scorer.weights_proj.weight"]).float() * s.index_heads**-0.5
-    scores = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))  # [t, E]
+    scores = index_scores(iq, index_keys, weights, s.index_dim).masked_fill(~visible, float("-inf"))  # [t, E]
     chosen = torch.zeros_like(visible)
     if entries.shape[0]:
         top = scores.topk(min(s.index_topk, entries.shape[0]), dim=-1).indices

@@ -14,7 +14,7 @@ only its Cb).
 hybrid model's linear-attention state): the projected kv and gate of the tokens of the unfinished window, in a
 ring indexed by ``position % rate`` (how many are pending is ``start % rate``: the position says it, nothing else
 is stored), and for CSA the last closed window's Ca kv and gate (read only when such a window exists,
-``start // rate > 0``). A sequence starting at position 0 never reads its slot.
+``start // rate > 0``; its gate is kept before the bias, as the ring's). A sequence starting at position 0 never reads its slot.
 """
 
 from __future__ import annotations
@@ -53,6 +53,29 @@ def rotate_tail(x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding)
     return torch.cat((x[..., :-rd], rotated[:, 0] if squeeze else rotated), dim=-1)
 
 
+def compress_span(kv: torch.Tensor, gate: torch.Tensor, first: int, rate: int, position_bias: torch.Tensor, norm_weight: torch.Tensor,
+                  eps: float, rope: RotaryEmbedding, overlap: bool, prev: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The entries of n consecutive windows, a pure function of their tokens: kv, gate [n * rate, D] (gates before
+    the bias) of windows first..first+n-1 -> [n, head_dim]. With ``overlap``, ``prev``: window first-1's Ca kv and
+    gate [rate, head_dim] (None: there is none, ``first`` == 0)."""
+    head_dim = norm_weight.shape[0]
+    n = kv.shape[0] // rate
+    ck = kv.view(n, rate, -1)
+    cg = gate.view(n, rate, -1) + position_bias
+    if overlap:  # [n, 2 rate, head_dim]: window w-1's Ca, then window w's Cb; no window before the first: weight 0
+        prev_kv = ck.new_zeros(n, rate, head_dim)
+        prev_gate = cg.new_full((n, rate, head_dim), float("-inf"))
+        if prev is not None:
+            prev_kv[0], prev_gate[0] = prev[0].to(ck.dtype), prev[1].to(cg.dtype) + position_bias[:, :head_dim]
+        prev_kv[1:], prev_gate[1:] = ck[:-1, :, :head_dim], cg[:-1, :, :head_dim]
+        ck = torch.cat((prev_kv, ck[..., head_dim:]), dim=1)
+        cg = torch.cat((prev_gate, cg[..., head_dim:]), dim=1)
+    pooled = (ck * cg.softmax(dim=1, dtype=torch.float32).to(ck.dtype)).sum(dim=1)
+    entries = rms_norm_fp32_weight(pooled, norm_weight, eps)
+    positions = (torch.arange(n, device=kv.device) + first) * rate
+    return rotate_tail(entries, positions, rope)
+
+
 def compress(kv: torch.Tensor, gate: torch.Tensor, start: int, state: CompressorState, rate: int, position_bias: torch.Tensor,
              norm_weight: torch.Tensor, eps: float, rope: RotaryEmbedding, overlap: bool) -> tuple[torch.Tensor, int]:
     """One chunk of a sequence: kv, gate [L, D] for positions start..start+L-1 -> (the entries of the windows that
@@ -71,19 +94,9 @@ def compress(kv: torch.Tensor, gate: torch.Tensor, start: int, state: Compressor
     head_dim = norm_weight.shape[0]
     if n == 0:
         return kv.new_zeros(0, head_dim), first
-    ck = kv[: n * rate].view(n, rate, -1)
-    cg = gate[: n * rate].view(n, rate, -1) + position_bias
-    if overlap:  # [n, 2 rate, head_dim]: window w-1's Ca, then window w's Cb; no window before the first: weight 0
-        prev_kv = ck.new_zeros(n, rate, head_dim)
-        prev_gate = cg.new_full((n, rate, head_dim), float("-inf"))
-        if first > 0:
-            prev_kv[0], prev_gate[0] = state.prev_kv.to(ck.dtype), state.prev_gate.to(cg.dtype)
-        prev_kv[1:], prev_gate[1:] = ck[:-1, :, :head_dim], cg[:-1, :, :head_dim]
-        state.prev_kv.copy_(ck[-1, :, :head_dim])
-        state.prev_gate.copy_(cg[-1, :, :head_dim])
-        ck = torch.cat((prev_kv, ck[..., head_dim:]), dim=1)
-        cg = torch.cat((prev_gate, cg[..., head_dim:]), dim=1)
-    pooled = (ck * cg.softmax(dim=1, dtype=torch.float32).to(ck.dtype)).sum(dim=1)
-    entries = rms_norm_fp32_weight(pooled, norm_weight, eps)
-    positions = (torch.arange(n, device=kv.device) + first) * rate
-    return rotate_tail(entries, positions, rope), first
+    prev = (state.prev_kv, state.prev_gate) if overlap and first > 0 else None
+    entries = compress_span(kv[: n * rate], gate[: n * rate], first, rate, position_bias, norm_weight, eps, rope, overlap, prev)
+    if overlap:  # the last closed window's Ca, before the bias, for the next chunk
+        state.prev_kv.copy_(kv[(n - 1) * rate: n * rate, :head_dim])
+        state.prev_gate.copy_(gate[(n - 1) * rate: n * rate, :head_dim])
+    return entries, first

@@ -18,7 +18,7 @@ from afd.testing.parity import (
 from tests import support
 
 CASES = [*support.DEEPSEEK_CASES, *support.QWEN_CASES, *support.DEEPSEEK_V3_CASES, *support.GLM_CASES, *support.DSA_CASES,
-         *support.MINIMAX_CASES, *support.GPT_OSS_CASES, *support.HYBRID_CASES]
+         *support.MINIMAX_CASES, *support.GPT_OSS_CASES, *support.HYBRID_CASES, *support.V4_CASES]
 PROMPTS = [[0, 17, 44, 9, 120, 301, 5, 77, 8, 250, 3, 12, 99], [0, 200, 13, 7, 2], [0, 5, 6, 7, 8, 9, 10, 11, 12]]
 
 

@@ -128,12 +128,3 @@ def test_canary_unclamped_shared_expert_fails(blocks):
         assert not compare_values("shared expert unclamped", ref, _ours(ours, x, ids)).ok
     finally:
         ours.shared_experts.swiglu = saved
-
-
-def test_a_deepseek_v4_checkpoint_is_refused_with_the_reason():
-    from transformers import DeepseekV4Config
-
-    from afd.models import UnsupportedArchitectureError, parse_hf_config
-
-    with pytest.raises(UnsupportedArchitectureError, match="DeepSeek-V4 .* not served yet.*docs/design/deepseek-v4.md"):
-        parse_hf_config(DeepseekV4Config(vocab_size=64, hidden_size=H, num_hidden_layers=2).to_dict())
