@@ -454,7 +454,8 @@ def split_parity_failures(model, ref_values, ref_logits, values, logits, check_t
 
 
 def _router_scores(model, ref_values, layer):
-    ffn_input = model.model.layers[layer].post_attention_layernorm(ref_values[(layer, "attn_output")])
+    block, streams = model.model.layers[layer], ref_values[(layer, "attn_output")]
+    ffn_input = block.post_attention_layernorm(block.ffn_hc(streams)[2] if model.config.compressed else streams)
     gate = model.model.layers[layer].mlp.gate
     return gate.logits(ffn_input).softmax(-1)
 

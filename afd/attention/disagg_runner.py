@@ -259,8 +259,11 @@ class DisaggregatedRunner:
             if is_moe and t.gate == "attention":
                 k = m.config.moe.top_k
                 mb.routing = Routing(torch.empty(0, k, dtype=torch.long, device=self.device), torch.empty(0, k, device=self.device))
+        token_ids = None
+        if t.gate == "ffn" and layer in m.config.moe.hash_layers:  # the FFN side's router reads the rows' tokens
+            token_ids = torch.empty(0, dtype=torch.long, device=self.device) if mb.is_empty else mb.token_ids
         mb.handle = self.endpoint.dispatch(layer, self.seq, mb.ffn_input, mb.routing, is_moe, microbatch=mb.index,
-                                           epoch=step.epoch, members=step.mask)
+                                           epoch=step.epoch, members=step.mask, token_ids=token_ids)
 
     def _combine(self, mb: _Microbatch, layer: int, record: bool) -> None:
         m, t = self.model, self.topology
@@ -290,4 +293,4 @@ class DisaggregatedRunner:
                 parts = [mb.captured[(layer, boundary)] for mb in mbs if (layer, boundary) in mb.captured]
                 if parts:
                     observer(layer, boundary, torch.cat(parts))
-        observer(m.config.num_layers, "final_hidden", m.model.norm(hidden))
+        observer(m.config.num_layers, "final_hidden", m.final_norm(hidden))

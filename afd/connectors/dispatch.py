@@ -56,6 +56,7 @@ class DispatchHandle:
     ffn_members: int = 0  # the FFN ranks this attempt went to (results of another attempt are stale)
     ffn_input: torch.Tensor | None = None
     routing: Routing | None = None
+    token_ids: torch.Tensor | None = None  # [T]: the rows' tokens, for a hash-routed layer's gate on the FFN side
     is_moe: bool = True
     epoch: int = 0
     members: int = 0
@@ -190,6 +191,7 @@ class AttentionEndpoint:
         microbatch: int = 0,
         epoch: int = 0,
         members: int = 0,
+        token_ids: torch.Tensor | None = None,
     ) -> DispatchHandle:
         """Send one (step, layer, micro-batch) part of ``ffn_input [T, H]`` (and, with the gate on
         attention, ``routing``) to **every** live FFN rank: each computes the union of every contributor's
@@ -200,11 +202,12 @@ class AttentionEndpoint:
         on attention: only the rows that chose them, with the ids of other ranks' slots set to -1; gate on
         FFN: every row to every rank, which routes and keeps its own slots); shared experts and dense
         layers placed on the FFN side are replicated on every FFN rank and split by rows, live rank i
-        taking the i-th contiguous slice (``SHARED_ROWS`` marks it)."""
+        taking the i-th contiguous slice (``SHARED_ROWS`` marks it). ``token_ids`` [T]: sent with the gate on FFN for
+        a hash-routed layer (DeepSeek-V4), kept for a retry."""
         key = (seq, layer, microbatch)
         if key in self._handles:
             raise ProtocolError(f"{self.mailbox.name}: dispatch of (seq {seq}, layer {layer}, micro-batch {microbatch}) twice")
-        handle = DispatchHandle(seq, layer, microbatch, ffn_input.shape[0], {}, ffn_input=ffn_input, routing=routing, is_moe=is_moe,
+        handle = DispatchHandle(seq, layer, microbatch, ffn_input.shape[0], {}, ffn_input=ffn_input, routing=routing, token_ids=token_ids, is_moe=is_moe,
                                 epoch=epoch, members=members or 1 << self.rank, placement=self.members.placement_version)
         self._handles[key] = handle
         self._stash[key] = {}
@@ -214,7 +217,7 @@ class AttentionEndpoint:
     def _send(self, handle: DispatchHandle, retry: bool) -> None:
         """Send one attempt. A first attempt goes to every live rank (empty parts complete the unions); a
         retry only to the ranks with rows, as a union of its own (contributors: this rank alone)."""
-        plan = self.members.plan(self.topology, self.rank, handle.ffn_input, handle.routing, handle.is_moe)
+        plan = self.members.plan(self.topology, self.rank, handle.ffn_input, handle.routing, handle.is_moe, handle.token_ids)
         handle.rows = {r: rows for r, (rows, _, _) in plan.items() if len(rows)}  # results come back only for these
         handle.ffn_members = self.members.ffn_members
         handle.sent_at = time.perf_counter()
@@ -310,7 +313,7 @@ class AttentionEndpoint:
                 )
             self._accept(msg, hidden_size)
         del self._handles[key], self._stash[key]
-        handle.ffn_input = handle.routing = None
+        handle.ffn_input = handle.routing = handle.token_ids = None
         done = time.perf_counter()
         self.round_trips += 1
         self.round_trip_s += done - handle.sent_at

@@ -109,12 +109,13 @@ class FfnMembership:
         return new
 
     def plan(self, t: Topology, rank: int, ffn_input: torch.Tensor, routing: Routing | None,
-             is_moe: bool) -> dict[int, tuple[torch.Tensor, Op, dict[TensorName, torch.Tensor]]]:
+             is_moe: bool, token_ids: torch.Tensor | None = None) -> dict[int, tuple[torch.Tensor, Op, dict[TensorName, torch.Tensor]]]:
         """What each live FFN rank gets of attention rank ``rank``'s ``ffn_input [T, H]`` (one attempt): FFN rank
         -> (rows [n] of the batch, ops, tensors). Routed experts go where their chosen copy is (gate on
         attention: only the rows that chose them, the ids of other ranks' slots set to -1; gate on FFN: every
         row to every rank, which routes and keeps its own slots); shared experts and dense layers placed on
-        the FFN side are split by rows, live rank i taking the i-th contiguous slice."""
+        the FFN side are split by rows, live rank i taking the i-th contiguous slice. ``token_ids`` [T]: the rows'
+        tokens, sent with the gate on FFN for a hash-routed layer (its router reads them)."""
         alive = self.alive
         num_ffn = len(alive)
         num_tokens = ffn_input.shape[0]
@@ -140,6 +141,8 @@ class FfnMembership:
             tensors: dict[TensorName, torch.Tensor] = {}
             if t.gate == "ffn":
                 rows, ops = all_rows, Op.ROUTE | Op.ROUTED
+                if token_ids is not None:
+                    tensors[TensorName.TOKEN_IDS] = token_ids.to(torch.int32)
             else:
                 ids = routing.topk_ids
                 if owner is None:

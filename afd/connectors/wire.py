@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 MAGIC = b"AFD1"
-PROTOCOL_VERSION = 3  # 2: membership epoch and contributors in every header; 3: FFN members, Op.RETRY
+PROTOCOL_VERSION = 4  # 2: membership epoch and contributors in every header; 3: FFN members, Op.RETRY; 4: TOKEN_IDS
 MAX_ATTENTION_RANKS = 64  # the contributors bitmask is 64 bits
 
 _FIXED = struct.Struct("<4sHBBBHHiHQHQQHIBQ")  # see module docstring, in order
@@ -80,6 +80,7 @@ class TensorName(enum.IntEnum):
     OUTPUT = 3  # [n, H] partial FFN output rows
     TEXT = 4  # [n] uint8: an error message
     SHARED_ROWS = 5  # [n] uint8: 1 where the receiving FFN rank computes the row's shared experts
+    TOKEN_IDS = 6  # [n] int32: the rows' tokens, for a hash-routed layer whose gate runs on the FFN side (DeepSeek-V4)
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8, torch.float8_e4m3fn]

@@ -19,6 +19,7 @@ class WorkItem:
     hidden: torch.Tensor  # [n, H]
     routing: Routing | None  # ids [n, k] (-1: not for this rank), weights [n, k]
     shared_rows: torch.Tensor | None  # [n] bool: rows whose shared experts this rank computes
+    token_ids: torch.Tensor | None = None  # [n] int64: the rows' tokens (a hash-routed layer's gate here)
     received_at: float = 0.0  # time.perf_counter() when it arrived (straggler wait)
 
 
@@ -39,7 +40,13 @@ def parse_work(msg: Message, receiver: str) -> WorkItem:
         if tuple(shared.shape) != (h.num_tokens,):
             raise ProtocolError(f"{receiver}: work from {h.source}: shared rows {list(shared.shape)} for {h.num_tokens} tokens")
         shared = shared.bool()
-    return WorkItem(h, hidden, routing, shared, time.perf_counter())
+    token_ids = None
+    if TensorName.TOKEN_IDS in msg.tensors:
+        token_ids = msg.get(TensorName.TOKEN_IDS)
+        if tuple(token_ids.shape) != (h.num_tokens,):
+            raise ProtocolError(f"{receiver}: work from {h.source}: token ids {list(token_ids.shape)} for {h.num_tokens} tokens")
+        token_ids = token_ids.long()
+    return WorkItem(h, hidden, routing, shared, token_ids, time.perf_counter())
 
 
 def result_message(work: Header, ffn_rank: int, output: torch.Tensor) -> Message:

@@ -91,14 +91,15 @@ class FFNWorker:
         self.idle = True  # as of the last report: no work waited (the counters had settled)
 
     def compute(self, layer: int, ops: Op, hidden: torch.Tensor, routing, shared_rows: torch.Tensor | None = None,
-                model: MoEModel | None = None) -> torch.Tensor:
+                model: MoEModel | None = None, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One union's FFN half: hidden [N, H] -> [N, H]; ``shared_rows`` [N] bool: where this rank adds
-        the shared experts (their rows' slice). ``model``: the experts of the union's placement version."""
+        the shared experts (their rows' slice). ``model``: the experts of the union's placement version;
+        ``token_ids`` [N]: the rows' tokens (a hash-routed layer's router reads them)."""
         m = model or self.model
         if Op.DENSE in ops:
             return m.dense_mlp(layer, hidden)
         if Op.ROUTE in ops:
-            routing = m.router(layer, hidden)
+            routing = m.router(layer, hidden, token_ids)
         self._count_gemms(routing.topk_ids, m)
         out = m.experts(layer, hidden, routing)
         if Op.SHARED in ops and shared_rows is not None:
@@ -312,12 +313,15 @@ class FFNWorker:
         if items[0].routing is not None:
             routing = Routing(torch.cat([it.routing.topk_ids for it in items]), torch.cat([it.routing.topk_weights for it in items]))
         shared = torch.cat([it.shared_rows for it in items]) if items[0].shared_rows is not None else None
+        token_ids = None
+        if items[0].token_ids is not None:  # a hash-routed layer's gate here: every part carries its rows' tokens
+            token_ids = torch.cat([it.token_ids for it in items]) if len(items) > 1 else items[0].token_ids
         t0, c0 = time.perf_counter(), time.thread_time()
         ops = union.ops
         model, placement = self.versions[union.placement]
         if Op.ROUTE in ops and placement is not None and placement.redundant:
-            routing, ops = self._own_slots(layer, hidden, items, model, union.placement), ops & ~Op.ROUTE
-        out = self.compute(layer, ops, hidden, routing, shared, model).to(hidden.dtype)
+            routing, ops = self._own_slots(layer, hidden, items, model, union.placement, token_ids), ops & ~Op.ROUTE
+        out = self.compute(layer, ops, hidden, routing, shared, model, token_ids).to(hidden.dtype)
         t1 = time.perf_counter()
         self.busy_s += t1 - t0
         self.busy_cpu_s += time.thread_time() - c0
@@ -344,10 +348,11 @@ class FFNWorker:
             self.tokens_served += n
             self.tokens_by_rank[h.src_index] = self.tokens_by_rank.get(h.src_index, 0) + n
 
-    def _own_slots(self, layer: int, hidden: torch.Tensor, items: list[WorkItem], model: MoEModel, version: int) -> Routing:
+    def _own_slots(self, layer: int, hidden: torch.Tensor, items: list[WorkItem], model: MoEModel, version: int,
+                   token_ids: torch.Tensor | None = None) -> Routing:
         """The gate here, with redundant copies: route the union, keep the slots whose chosen copy is this rank
         (the key of a row: its index in its part plus its sender; the copies alive under the part's FFN members)."""
-        routing = model.router(layer, hidden)
+        routing = model.router(layer, hidden, token_ids)
         placement = self.versions[version][1]
         owners = []
         start = 0

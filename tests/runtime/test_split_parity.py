@@ -32,6 +32,9 @@ FAMILIES_2026 = ("minimax-m2-rotary8", "gptoss-window6", "dsv32-top6", "glm5-sha
 #: Qwen3.5-MoE as released (multimodal layout) and Qwen3-Next: linear-attention state on the attention ranks, the
 #: gated shared expert on either side
 HYBRID = ("qwen35-moe-vl", "qwen3-next")
+#: DeepSeek-V4: compressed attention and hyper-connections on the attention ranks, hash-routed layers whose token ids
+#: cross the wire with the gate on the FFN side
+V4 = tuple(support.V4_CASES)
 
 
 def topology(a, f, **kw):
@@ -41,7 +44,7 @@ def topology(a, f, **kw):
 @pytest.fixture(scope="module")
 def references(checkpoints):
     out = {}
-    for case in ("ds-qlora-grouped-yarn", "qwen3-norm-topk", *NEW_FAMILIES, *FAMILIES_2026, *HYBRID):
+    for case in ("ds-qlora-grouped-yarn", "qwen3-norm-topk", *NEW_FAMILIES, *FAMILIES_2026, *HYBRID, *V4):
         model = load_model(checkpoints[case][0], dtype="float32")[0]
         out[case] = (checkpoints[case][0], model, *support.monolithic_capture(model, PROMPTS))
     return out
@@ -131,7 +134,7 @@ def test_real_processes(references, transport, a, f, case, gate, dense_on, share
                 assert not any("self_attn" in n or "embed_tokens" in n for n in names)
 
 
-@pytest.mark.parametrize("case", NEW_FAMILIES + FAMILIES_2026 + HYBRID)
+@pytest.mark.parametrize("case", NEW_FAMILIES + FAMILIES_2026 + HYBRID + V4)
 @pytest.mark.parametrize("a, f, gate", [(2, 3, "ffn"), (3, 2, "attention"), (1, 2, "ffn")])
 def test_new_families_async_split(references, case, a, f, gate):
     """DeepSeek-V3, GLM-4.5, MiniMax-M2 and gpt-oss split exactly like V2: async micro-batches, A != F, the
@@ -161,7 +164,8 @@ def test_new_families_real_processes(references, transport, case, gate):
 @pytest.mark.parametrize("transport, case, gate, router", [("shm", "gptoss-window6", "ffn", ".mlp.router."),
                                                            ("torch", "minimax-m2-rotary8", "attention", ".block_sparse_moe.gate."),
                                                            ("shm", "glm5-shared-top5", "ffn", ".mlp.gate."),
-                                                           ("shm", "qwen35-moe-vl", "attention", ".mlp.gate.")])
+                                                           ("shm", "qwen35-moe-vl", "attention", ".mlp.gate."),
+                                                           ("torch", "v4-csa-hca", "ffn", ".ffn.gate.")])
 def test_2026_families_real_processes(references, transport, case, gate, router):
     """Real processes, 2A3F async with redundant experts: the split equals the model, and the router's tensors
     (named as the family's checkpoint names them) are read only where the gate runs."""
@@ -176,7 +180,7 @@ def test_2026_families_real_processes(references, transport, case, gate, router)
                 assert not any(".indexer." in n or ".linear_attn." in n for n in r.ready.tensors), r.spec.name
 
 
-@pytest.mark.parametrize("case", FAMILIES_2026)
+@pytest.mark.parametrize("case", FAMILIES_2026 + V4)
 def test_2026_families_sync_split_with_redundant_experts(references, case):
     """The sync pipeline too, with every expert on two FFN ranks and the copy choice on either side."""
     path, model, ref_values, ref_logits = references[case]
