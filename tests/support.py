@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -623,3 +624,51 @@ def write_mxfp4_checkpoint(src: Path, dst: Path) -> dict[str, torch.Tensor]:
                                                                                       "model.embed_tokens", "lm_head"]}
     (dst / "config.json").write_text(json.dumps(raw))
     return written
+
+
+#: DeepSeek-V4's release stores these fp8 (block-scaled, ue8m0 scales); the compressors', the indexer's kv, gate and
+#: weights projections ship unquantised (transformers' _keep_in_fp32_modules), as do norms, gates and embeddings
+V4_FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123])\.weight$")
+
+
+def write_v4_release(src: Path, dst: Path, block: tuple[int, int] = (16, 16)) -> Path:
+    """A tiny DeepSeek-V4 checkpoint written by transformers (``src``) rewritten as the release stores its weights:
+    the release's names (no ``model.``: ``embed.weight``, ``layers.N.attn.wq_a.weight``, ``hc_head_fn``), fp8 e4m3
+    attention and shared-expert weights with power-of-two (ue8m0) block scales ``X.scale``, routed experts as FP4
+    (two e2m1 values a byte, [R, C/2] int8) with e8m0 scales ``X.scale`` [R, C/32], an ``mtp.0.*`` layer, and
+    ``expert_dtype: fp4``. Also writes ``dst``-dequantised: the same model in transformers' layout with every
+    quantised weight replaced by what it decodes to (the reference the release must load equal to)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(src / "model.safetensors")
+    release, decoded = {}, dict(tensors)
+    for name, w in tensors.items():
+        short = name.removeprefix("model.")
+        short = {"embed_tokens.weight": "embed.weight"}.get(short, short)
+        short = re.sub(r"^hc_head\.", "hc_head_", short)
+        if V4_FP8.search(short):
+            rows, cols = w.shape
+            blocks = w.float().reshape(rows // block[0], block[0], cols // block[1], block[1])
+            scale = torch.exp2(torch.ceil(torch.log2(blocks.abs().amax(dim=(1, 3)).clamp(min=2.0**-100) / 448)))  # ue8m0
+            q = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+            decoded[name] = (q.float().reshape(blocks.shape) * scale[:, None, :, None]).reshape(rows, cols)
+            release[short], release[short.removesuffix(".weight") + ".scale"] = q, scale.to(torch.float8_e8m0fnu)
+        elif re.search(r"\.ffn\.experts\.\d+\.w[123]\.weight$", short):
+            blocks, scales, values = encode_mxfp4(w)
+            decoded[name] = values
+            release[short] = blocks.reshape(w.shape[0], -1).view(torch.int8)
+            release[short.removesuffix(".weight") + ".scale"] = scales.view(torch.float8_e8m0fnu)
+        else:
+            release[short] = w
+    release["mtp.0.attn_norm.weight"] = torch.ones(tensors["model.norm.weight"].shape)
+    release["mtp.0.e_proj.weight"] = torch.zeros(4, 4)
+    raw = json.loads((src / "config.json").read_text())
+    for out, weights, quant in ((dst, release, True), (dst.with_name(dst.name + "-dequantised"), decoded, False)):
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+        config = dict(raw)
+        if quant:
+            config.update(expert_dtype="fp4", quantization_config={"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                                                   "activation_scheme": "dynamic", "weight_block_size": list(block)})
+        (out / "config.json").write_text(json.dumps(config))
+    return dst

@@ -171,6 +171,12 @@ class MoEModel(nn.Module):
     #: the checkpoint stores each layer's experts stacked in one tensor (gpt-oss), not one tensor per expert
     stacked_experts: bool = False
 
+    @classmethod
+    def checkpoint_layout(cls, config: ModelConfig, names: set[str]) -> ModelConfig:
+        """The config for the tensor names the checkpoint holds, where a family has more than one layout (DeepSeek-V4:
+        what transformers writes, or the release's own names)."""
+        return config
+
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint tensor that fills afd's parameter ``name`` (afd's names follow the Hugging Face ones;
         a multimodal release keeps the language model under its own prefix)."""

@@ -25,6 +25,7 @@ attention block and the FFN input; :meth:`DeepseekV4Model.merge` mixes the FFN o
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -229,9 +230,19 @@ class DeepseekV4Model(MoEModel):
     def cache_layouts(self) -> list[tuple[CacheTensor, ...]]:
         return cache_layouts(self.config)
 
+    @classmethod
+    def checkpoint_layout(cls, config: ModelConfig, names: set[str]) -> ModelConfig:
+        """The release names its tensors without transformers' ``model.`` (``embed.weight``, ``layers.N.attn...``,
+        ``hc_head_fn``): ``checkpoint_prefix`` "" says so."""
+        return replace(config, checkpoint_prefix="") if "embed.weight" in names else config
+
     def checkpoint_name(self, name: str) -> str:
         for pattern, theirs in _RENAMES:
             name = pattern.sub(theirs, name)
+        if self.config.checkpoint_prefix == "":  # the release's own names
+            name = name.removeprefix("model.")
+            name = {"embed_tokens.weight": "embed.weight"}.get(name, name)
+            name = re.sub(r"^hc_head\.", "hc_head_", name)
         return name
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,8 @@ from afd.models.base import MoEModel
 from afd.models.checkpoint import CheckpointError, CheckpointReader
 from afd.models.hf_config import load_model_config, read_config_json
 from afd.models.layers import GroupedExperts
-from afd.models.mxfp4 import DEFAULT_MXFP4_MODE, MXFP4_MODES, dequantize_mxfp4, is_mxfp4
-from afd.models.quant import SCALE_SUFFIX, Fp8Linear, dequantize, fp8_format
+from afd.models.mxfp4 import DEFAULT_MXFP4_MODE, MXFP4_MODES, as_mxfp4, dequantize_mxfp4, is_mxfp4
+from afd.models.quant import SCALE_SUFFIX, Fp8Linear, dequantize, fp8_format, fp8_scale_name
 from afd.models.weight_plan import CONVERTS, category, plan_copies, skipped_tensors
 from afd.models.registry import model_class
 
@@ -149,8 +149,9 @@ def load_model(
     mxfp4_mode, mxfp4 = mxfp4, is_mxfp4(raw)
     target = resolve_dtype(dtype, raw)
     held = selection.held_experts(config.moe.num_experts)
-    model = build_meta_model(config, held)
     reader = CheckpointReader(model_dir)
+    config = model_class(config.architecture).checkpoint_layout(config, reader.names())
+    model = build_meta_model(config, held)
 
     full_plan = plan_copies(build_meta_model(config), range(config.moe.num_experts), mxfp4)
     expected = {c.source for c in full_plan} | {c.scales for c in full_plan if c.scales}
@@ -158,7 +159,7 @@ def load_model(
         expected.discard("lm_head.weight")
     available = reader.names()
     if fmt is not None:
-        expected |= {n for n in available if n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) in expected}
+        expected |= {s for n in expected for s in [fp8_scale_name(n, available)] if s is not None}
     skipped = skipped_tensors(available, config)
     for what, names in skipped.items():
         log.info("skipping the %s: %d tensors not loaded", what, len(names))
@@ -198,26 +199,28 @@ def load_model(
         if c.scales is not None:  # MXFP4: [rows, cols] as blocks [rows, cols / 32, 16] and scales [rows, cols / 32]
             if want[-1] % 32:
                 raise CheckpointError(f"{c.param}: {want[-1]} columns are not whole MXFP4 groups of 32")
-            want_scales = (config.moe.num_experts, *want[:-1], want[-1] // 32)
+            want_scales = (*([config.moe.num_experts] if c.expert is not None else []), *want[:-1], want[-1] // 32)
             if reader.shape(c.scales) != want_scales:
                 raise CheckpointError(f"tensor {c.scales} has shape {list(reader.shape(c.scales))}, the model expects {list(want_scales)}")
-            want = (*want_scales, 16)
+            # stacked (gpt-oss): blocks [E, rows, cols / 32, 16]; one tensor per expert (DeepSeek-V4): [rows, cols / 2]
+            want = (*want_scales, 16) if c.expert is not None else (*want[:-1], want[-1] // 2)
         elif c.expert is not None:  # stacked: [num_experts, *one expert's]
             want = (config.moe.num_experts, *want)
         if got != want:
             raise CheckpointError(f"tensor {c.source} has shape {list(got)}, the model expects {list(want)}")
 
-    quantized = {c.source for c in plan if fmt is not None and c.source + SCALE_SUFFIX in available}
+    quantized = {c.source for c in plan if fmt is not None and c.scales is None and fp8_scale_name(c.source, available)}
     keep = fp8 == "keep"
     materialised: dict[str, torch.Tensor] = {}
     scales: dict[str, dict[tuple[int | None, int], torch.Tensor]] = {}  # keep: param -> (expert index, first row) -> scales
-    packed: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # MXFP4 keep: param -> local expert -> (blocks, scales)
+    # MXFP4 keep: param -> local expert -> first row -> (blocks, scales)
+    packed: dict[str, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
     for c in plan:
         if c.scales is not None and mxfp4_mode == "keep":  # held as they are stored (gate_up's rows gate first)
-            blocks, group_scales = reader.read(c.source, c.expert), reader.read(c.scales, c.expert)
+            blocks, group_scales = as_mxfp4(reader.read(c.source, c.expert), reader.read(c.scales, c.expert))
             if c.convert == "rows_interleaved":
                 blocks, group_scales = (torch.cat((t[0::2], t[1::2])) for t in (blocks, group_scales))
-            packed.setdefault(c.param, {})[c.index] = (blocks, group_scales)
+            packed.setdefault(c.param, {}).setdefault(c.index, {})[c.rows.start if c.rows else 0] = (blocks, group_scales)
             continue
         is_q = c.source in quantized
         if c.param not in materialised:
@@ -233,17 +236,17 @@ def load_model(
             dst = dst[c.rows]
         value = reader.read(c.source, c.expert)
         if c.scales is not None:
-            value = dequantize_mxfp4(value, reader.read(c.scales, c.expert), torch.float32)
+            value = dequantize_mxfp4(*as_mxfp4(value, reader.read(c.scales, c.expert)), torch.float32)
         if c.convert is not None:
             value = CONVERTS[c.convert][0](value)
         if is_q:
-            scale = reader.read(c.source + SCALE_SUFFIX)
+            scale = reader.read(fp8_scale_name(c.source, available))
             if keep:
                 scales.setdefault(c.param, {})[(c.index, c.rows.start if c.rows else 0)] = scale
             else:
                 value = dequantize(value, scale, fmt.block, torch.float32)
         elif value.dtype == torch.float8_e4m3fn:
-            raise CheckpointError(f"tensor {c.source} is fp8 but has no {c.source + SCALE_SUFFIX}")
+            raise CheckpointError(f"tensor {c.source} is fp8 but has no {c.source + SCALE_SUFFIX} (or .scale)")
         dst.copy_(value)
     for name, value in materialised.items():
         _set_param(model, name, value)
@@ -270,15 +273,17 @@ def load_model(
     return model, report
 
 
-def _keep_mxfp4(model: MoEModel, packed: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]], dtype: torch.dtype,
+def _keep_mxfp4(model: MoEModel, packed: dict[str, dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]], dtype: torch.dtype,
                 device: str | torch.device) -> None:
-    """Hold the MXFP4 blocks and scales just read in the experts, decoded per expert inside the expert loop."""
+    """Hold the MXFP4 blocks and scales just read in the experts, decoded per expert inside the expert loop (an
+    expert's gate and up read as two tensors, DeepSeek-V4's, are concatenated by their first rows)."""
     modules: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
     for name, parts in packed.items():
         module_name, _, attr = name.rpartition(".")
         local = range(len(parts))
-        blocks = torch.stack([parts[e][0] for e in local]).to(device)
-        group_scales = torch.stack([parts[e][1] for e in local]).to(device)
+        rows = [[parts[e][r] for r in sorted(parts[e])] for e in local]
+        blocks = torch.stack([torch.cat([b for b, _ in row]) for row in rows]).to(device)
+        group_scales = torch.stack([torch.cat([s for _, s in row]) for row in rows]).to(device)
         modules.setdefault(module_name, {})[attr] = (blocks, group_scales)
     for module_name, held in modules.items():
         experts = model.get_submodule(module_name)

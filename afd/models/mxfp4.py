@@ -26,7 +26,7 @@ import torch
 
 from afd.config import DEFAULT_MXFP4_MODE, MXFP4_MODES
 
-__all__ = ["DEFAULT_MXFP4_MODE", "MXFP4_MODES", "dequantize_mxfp4", "is_mxfp4"]
+__all__ = ["DEFAULT_MXFP4_MODE", "MXFP4_MODES", "as_mxfp4", "dequantize_mxfp4", "is_mxfp4"]
 GROUP = 32  # values per scale
 #: e2m1, indexed by the nibble
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -34,13 +34,35 @@ SCALE_BIAS = 127  # e8m0
 
 
 def is_mxfp4(raw_config: dict[str, Any]) -> bool:
-    """Whether the checkpoint's ``quantization_config`` is MXFP4; refuses what afd cannot read under it."""
+    """Whether the checkpoint's experts are MXFP4 (gpt-oss's ``quant_method: mxfp4``; DeepSeek-V4's release:
+    ``expert_dtype: fp4`` beside fp8 attention); refuses what afd cannot read under it."""
     q = raw_config.get("quantization_config") or {}
+    expert_dtype = q.get("expert_dtype", raw_config.get("expert_dtype"))
+    if raw_config.get("model_type") == "deepseek_v4" and expert_dtype is not None:
+        if expert_dtype not in ("fp4", "fp8"):
+            raise ValueError(f"DeepSeek-V4 expert_dtype {expert_dtype!r} is not supported: afd reads fp4 (MXFP4: e2m1 values, "
+                             "an e8m0 scale per 32) and fp8 (block-scaled, as the attention) experts")
+        return expert_dtype == "fp4"
     if q.get("quant_method") != "mxfp4":
         return False
     if raw_config.get("model_type") != "gpt_oss":
         raise ValueError(f"quant_method mxfp4 is read for gpt-oss's experts only, not for model_type {raw_config.get('model_type')!r}")
     return True
+
+
+def as_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stored weight as MXFP4 blocks [..., R, C/32, 16] and scales [..., R, C/32], both uint8: gpt-oss stores them so;
+    DeepSeek-V4's release packs an expert's weight as [R, C/2] (int8 or float4_e2m1fn_x2: two e2m1 values a byte, low
+    nibble first, the same bytes) with float8_e8m0fnu scales [R, C/32] (the same exponent bytes)."""
+    if scales.dtype != torch.uint8:
+        if scales.dtype != torch.float8_e8m0fnu:
+            raise ValueError(f"MXFP4 scales must be uint8 or float8_e8m0fnu exponents, got {scales.dtype}")
+        scales = scales.view(torch.uint8)
+    if packed.dim() == scales.dim():  # [..., R, C/2]
+        if packed.shape[-1] != scales.shape[-1] * GROUP // 2:
+            raise ValueError(f"packed FP4 weight {list(packed.shape)} does not match its scales {list(scales.shape)} (32 values a scale)")
+        packed = packed.view(torch.uint8).reshape(*scales.shape, GROUP // 2)
+    return packed, scales
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -28,7 +28,16 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
+SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv (DeepSeek-V4's release: X.scale, ue8m0)
+
+
+def fp8_scale_name(weight: str, available) -> str | None:
+    """The block scales of fp8 tensor ``weight`` among the checkpoint's ``available`` names: ``X.weight_scale_inv``
+    (DeepSeek-V3) or ``X.scale`` (DeepSeek-V4's release); None: it has none (an unquantised tensor)."""
+    for name in (weight + SCALE_SUFFIX, weight.removesuffix(".weight") + ".scale"):
+        if name in available:
+            return name
+    return None
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,9 @@ def fp8_format(raw_config: dict[str, Any]) -> Fp8Format | None:
     fmt = q.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ValueError(f"fp8 format {fmt!r} is not supported (e4m3 only)")
+    scale_fmt = q.get("scale_fmt")
+    if scale_fmt not in (None, "ue8m0"):
+        raise ValueError(f"fp8 scale_fmt {scale_fmt!r} is not supported (fp32 scales, or ue8m0: powers of two, DeepSeek-V4)")
     block = q.get("weight_block_size")
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ValueError(f"fp8 checkpoints need quantization_config.weight_block_size [rows, cols]; got {block!r} "

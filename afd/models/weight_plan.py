@@ -80,14 +80,15 @@ def plan_copies(model: MoEModel, expert_ids: Iterable[int], mxfp4: bool = False)
                 continue
             convert = {"gate_up_proj": "interleaved_t", "gate_up_proj_bias": "interleaved", "down_proj": "t"}.get(attr)
             plan.extend(_Copy(source, name, local, expert=e, convert=convert) for local, e in enumerate(ids))
-        elif name.endswith("mlp.experts.gate_up_proj"):
+        elif name.endswith("mlp.experts.gate_up_proj"):  # one tensor per expert (MXFP4: each with its .scale, DeepSeek-V4)
             prefix = source.removesuffix("gate_up_proj")
             for local, e in enumerate(ids):
-                plan.append(_Copy(f"{prefix}{e}.{gate_name}.weight", name, local, slice(0, inter)))
-                plan.append(_Copy(f"{prefix}{e}.{up_name}.weight", name, local, slice(inter, 2 * inter)))
+                for part, rows in ((gate_name, slice(0, inter)), (up_name, slice(inter, 2 * inter))):
+                    plan.append(_Copy(f"{prefix}{e}.{part}.weight", name, local, rows, scales=f"{prefix}{e}.{part}.scale" if mxfp4 else None))
         elif name.endswith("mlp.experts.down_proj"):
             prefix = source.removesuffix("down_proj")
-            plan.extend(_Copy(f"{prefix}{e}.{down_name}.weight", name, local) for local, e in enumerate(ids))
+            plan.extend(_Copy(f"{prefix}{e}.{down_name}.weight", name, local, scales=f"{prefix}{e}.{down_name}.scale" if mxfp4 else None)
+                        for local, e in enumerate(ids))
         else:
             plan.append(_Copy(source, name, convert=model.load_convert(name)))
     return plan

@@ -132,7 +132,7 @@ def test_greedy_continuation_matches_transformers(checkpoints, case):
 
 
 @pytest.mark.parametrize("case", ["ds-qlora-grouped-yarn", "qwen3-no-norm-topk", "minimax-m2-rotary8", "gptoss-window6", "qwen35-moe",
-                                  "qwen3-next"])
+                                  "qwen3-next", "v4-csa-hca"])
 def test_bf16_error_within_twice_transformers_bf16(checkpoints, case):
     """bf16 rule: afd-bf16's mean error against fp32 is at most 2x transformers-bf16's own."""
     from transformers import AutoModelForCausalLM
