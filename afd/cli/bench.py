@@ -54,7 +54,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--device", default="cpu", help="cpu (default), cuda:N or npu:N")
     g.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
     g.set_defaults(func=run_generate)
-    from afd.cli import (bench_attention, bench_connector, bench_costs, bench_hybrid, bench_kernels, bench_mixed, bench_pipeline,
+    from afd.cli import (bench_attention, bench_connector, bench_costs, bench_hybrid, bench_kernels, bench_mixed, bench_pipeline, bench_v4,
                          bench_sampler, bench_serve)
 
     bench_connector.add_parser(bsub)
@@ -66,6 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench_kernels.add_parser(bsub)
     bench_attention.add_parser(bsub)
     bench_hybrid.add_parser(bsub)
+    bench_v4.add_parser(bsub)
 
 
 def _load(args: argparse.Namespace):

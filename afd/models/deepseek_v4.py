@@ -33,7 +33,7 @@ from torch import nn
 
 from afd.config import ModelConfig
 from afd.kvcache import AttentionMetadata, CacheTensor, CompressedSeq
-from afd.models import v4_compressor as v4c
+from afd.models.v4_compressor import compress_span, rms_norm_fp32_weight, rotate_tail
 from afd.models.base import MoEModel
 from afd.models.hyper_connections import HyperConnection, HyperHead, mix, unweighted_rms_norm
 from afd.models.layers import Linear, RotaryEmbedding
@@ -67,7 +67,7 @@ class V4Norm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return v4c.rms_norm_fp32_weight(x, self.weight, self.eps)
+        return rms_norm_fp32_weight(x, self.weight, self.eps)
 
 
 class _Scorer(nn.Module):
@@ -119,8 +119,8 @@ class V4Attention(nn.Module):
         """x [T, H] (normed) -> [T, H]; writes the step's keys, compressor inputs and closed windows' entries."""
         t, positions, slots = x.shape[0], meta.positions, meta.window_slot_mapping
         q_res = self.q_a_norm(self.q_a_proj(x))
-        q = v4c.rotate_tail(unweighted_rms_norm(self.q_b_proj(q_res).view(t, self.heads, self.head_dim), self.eps), positions, rope)
-        cache[0][slots] = v4c.rotate_tail(self.kv_norm(self.kv_proj(x)), positions, rope)
+        q = rotate_tail(unweighted_rms_norm(self.q_b_proj(q_res).view(t, self.heads, self.head_dim), self.eps), positions, rope)
+        cache[0][slots] = rotate_tail(self.kv_norm(self.kv_proj(x)), positions, rope)
         iq = iw = None
         if self.rate:
             comp = self.compressor
@@ -128,14 +128,14 @@ class V4Attention(nn.Module):
             if self.csa:
                 idx = comp.indexer
                 cache[4][slots], cache[5][slots] = idx.kv_proj(x), idx.gate_proj(x)
-                iq = v4c.rotate_tail(idx.q_b_proj(q_res).view(t, self.index_heads, self.index_dim), positions, rope)
+                iq = rotate_tail(idx.q_b_proj(q_res).view(t, self.index_heads, self.index_dim), positions, rope)
                 iw = idx.scorer.weights_proj(x).float() * self.index_heads**-0.5
         out = torch.empty_like(q)
         for seq in meta.compressed:
             if self.rate:
                 self._emit(seq, cache, rope)
             self._attend(seq, q, iq, iw, cache, out)
-        out = v4c.rotate_tail(out, -positions, rope)  # the values' rotation undone at the query's position
+        out = rotate_tail(out, -positions, rope)  # the values' rotation undone at the query's position
         return grouped_output(out.reshape(t, -1), self.o_a_proj.weight, self.o_b_proj.weight, self.groups)
 
     def _emit(self, seq: CompressedSeq, cache: Sequence[torch.Tensor], rope: RotaryEmbedding) -> None:
@@ -155,35 +155,35 @@ class V4Attention(nn.Module):
             if begin < first * r:
                 width = comp.kv_norm.weight.shape[0]
                 prev, kv, gate = (kv[:r, :width], gate[:r, :width]), kv[r:], gate[r:]
-            cache[to][rows] = v4c.compress_span(kv, gate, first, r, comp.position_bias, comp.kv_norm.weight, comp.kv_norm.eps, rope,
+            cache[to][rows] = compress_span(kv, gate, first, r, comp.position_bias, comp.kv_norm.weight, comp.kv_norm.eps, rope,
                                                 overlap, prev)
 
     def _attend(self, seq: CompressedSeq, q, iq, iw, cache: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-        """Each query of the sequence over its window, its visible entries (CSA: the indexer's top-k) and the sink,
-        in tiles of queries whose fp32 scores stay within the attention workspace."""
+        """Each query of the sequence over its window, its visible entries (CSA: only the entries the indexer picks
+        for some query of the tile are gathered) and the sink, in tiles of queries whose fp32 scores stay within
+        the attention workspace."""
         w, r = self.window, self.rate
-        entries = cache[3][seq.entry_rows[r][: seq.end // r]] if r else None
         keys_per_query = w + (seq.end // r if r else 0)
         tile = max(1, min(seq.length, WORKSPACE_BYTES // (12 * keys_per_query * (self.heads + self.index_heads))))
         for a in range(0, seq.length, tile):
             b = min(seq.length, a + tile)
+            rows = slice(seq.row + a, seq.row + b)
             qpos = torch.arange(seq.start + a, seq.start + b, device=q.device)
             lo = max(seq.window_start, seq.start + a - w + 1)  # the tile's first window position
             keys = cache[0][seq.window_slots[lo - seq.window_start: seq.start + b - seq.window_start]]
             kpos = torch.arange(lo, seq.start + b, device=q.device)
             allowed = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)
-            if r:
-                count = (seq.start + b) // r
-                visible = torch.arange(count, device=q.device)[None, :] < ((qpos + 1) // r)[:, None]
-                if self.csa and count:
-                    rows = slice(seq.row + a, seq.row + b)
-                    index_keys = cache[6][seq.entry_rows[r][:count]]
-                    scores = index_scores(iq[rows], index_keys, iw[rows], self.index_dim).masked_fill(~visible, float("-inf"))
+            count = (seq.start + b) // r if r else 0
+            if count:
+                entry_rows = seq.entry_rows[r][:count]
+                visible = torch.arange(count, device=q.device)[None, :] < ((qpos + 1) // r)[:, None]  # [t, count]
+                if self.csa:
+                    scores = index_scores(iq[rows], cache[6][entry_rows], iw[rows], self.index_dim).masked_fill(~visible, float("-inf"))
                     chosen = torch.zeros_like(visible).scatter_(1, scores.topk(min(self.topk, count), dim=-1).indices, True)
-                    visible = visible & chosen
-                keys = torch.cat((keys, entries[:count]))
+                    picked = (chosen & visible).any(dim=0).nonzero().flatten()  # the tile's picks, in entry order
+                    entry_rows, visible = entry_rows[picked], (chosen & visible)[:, picked]
+                keys = torch.cat((keys, cache[3][entry_rows]))
                 allowed = torch.cat((allowed, visible), dim=1)
-            rows = slice(seq.row + a, seq.row + b)
             out[rows] = attend_with_sinks(q[rows], keys, allowed, self.sinks, self.head_dim**-0.5)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from afd.models import v4_compressor as v4c
+from afd.models.v4_compressor import CompressorState, compress, rms_norm_fp32_weight, rotate_tail
 from afd.models.hyper_connections import unweighted_rms_norm
 from afd.models.layers import RotaryEmbedding
 
@@ -60,8 +60,8 @@ class SequenceCache:
     positions: torch.Tensor | None = None
     entries: list[torch.Tensor] = field(default_factory=list)
     index_keys: list[torch.Tensor] = field(default_factory=list)
-    compressor: v4c.CompressorState | None = None
-    indexer: v4c.CompressorState | None = None
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
 
 
 @dataclass(frozen=True)
@@ -84,10 +84,10 @@ def reference_attention(w: dict[str, torch.Tensor], s: V4Shapes, x: torch.Tensor
     (the main one for sliding layers, the compressed branch's otherwise)."""
     t = x.shape[0]
     positions = torch.arange(start, start + t)
-    q_res = v4c.rms_norm_fp32_weight(F.linear(x, w["q_a_proj.weight"]), w["q_a_norm.weight"], s.eps)
+    q_res = rms_norm_fp32_weight(F.linear(x, w["q_a_proj.weight"]), w["q_a_norm.weight"], s.eps)
     q = unweighted_rms_norm(F.linear(q_res, w["q_b_proj.weight"]).view(t, s.heads, s.head_dim), s.eps)
-    q = v4c.rotate_tail(q, positions, rope)
-    kv = v4c.rotate_tail(v4c.rms_norm_fp32_weight(F.linear(x, w["kv_proj.weight"]), w["kv_norm.weight"], s.eps), positions, rope)
+    q = rotate_tail(q, positions, rope)
+    kv = rotate_tail(rms_norm_fp32_weight(F.linear(x, w["kv_proj.weight"]), w["kv_norm.weight"], s.eps), positions, rope)
     keys = kv if cache.keys is None else torch.cat((cache.keys, kv))
     key_pos = positions if cache.positions is None else torch.cat((cache.positions, positions))
     allowed = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - s.window)
@@ -98,14 +98,14 @@ def reference_attention(w: dict[str, torch.Tensor], s: V4Shapes, x: torch.Tensor
         keys = torch.cat((keys, entries))
         allowed = torch.cat((allowed, entry_allowed), dim=1)
     out = attend_with_sinks(q, keys, allowed, w["sinks"], s.head_dim**-0.5)
-    out = v4c.rotate_tail(out, -positions, rope)  # the values' rotation undone at the query's position
+    out = rotate_tail(out, -positions, rope)  # the values' rotation undone at the query's position
     return grouped_output(out.reshape(t, -1), w["o_a_proj.weight"], w["o_b_proj.weight"], s.groups)
 
 
 def _compressed(w, s: V4Shapes, x, q_res, start: int, positions, cache: SequenceCache, rope: RotaryEmbedding):
     csa = s.index_topk > 0  # CSA: overlapping windows and the lightning indexer; HCA: neither
     c = "compressor."
-    new, _ = v4c.compress(F.linear(x, w[c + "kv_proj.weight"]), F.linear(x, w[c + "gate_proj.weight"]), start, cache.compressor,
+    new, _ = compress(F.linear(x, w[c + "kv_proj.weight"]), F.linear(x, w[c + "gate_proj.weight"]), start, cache.compressor,
                           s.rate, w[c + "position_bias"], w[c + "kv_norm.weight"], s.eps, rope, overlap=csa)
     cache.entries.append(new)
     entries = torch.cat(cache.entries)
@@ -113,11 +113,11 @@ def _compressed(w, s: V4Shapes, x, q_res, start: int, positions, cache: Sequence
     if not csa:
         return entries, visible
     i = c + "indexer."
-    index_new, _ = v4c.compress(F.linear(x, w[i + "kv_proj.weight"]), F.linear(x, w[i + "gate_proj.weight"]), start, cache.indexer,
+    index_new, _ = compress(F.linear(x, w[i + "kv_proj.weight"]), F.linear(x, w[i + "gate_proj.weight"]), start, cache.indexer,
                                 s.rate, w[i + "position_bias"], w[i + "kv_norm.weight"], s.eps, rope, overlap=True)
     cache.index_keys.append(index_new)
     index_keys = torch.cat(cache.index_keys)
-    iq = v4c.rotate_tail(F.linear(q_res, w[i + "q_b_proj.weight"]).view(x.shape[0], s.index_heads, s.index_dim), positions, rope)
+    iq = rotate_tail(F.linear(q_res, w[i + "q_b_proj.weight"]).view(x.shape[0], s.index_heads, s.index_dim), positions, rope)
     weights = F.linear(x, w[i + "scorer.weights_proj.weight"]).float() * s.index_heads**-0.5
     scores = index_scores(iq, index_keys, weights, s.index_dim).masked_fill(~visible, float("-inf"))  # [t, E]
     chosen = torch.zeros_like(visible)
