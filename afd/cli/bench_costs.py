@@ -60,23 +60,29 @@ def _fit(model, repeats: int) -> dict:
     """Time one MoE layer's halves on the shapes steps have: S sequences x n new tokens after c cached
     (decode and prefill batches), the FFN fed the attention half's real output."""
     from afd.config import CacheConfig
-    from afd.kvcache import BlockManager, PagedKVCache, SeqChunk, build_attention_metadata
+    from afd.kvcache import PagedKVCache, build_attention_metadata, make_blocks
 
     cfg = model.config
-    layer = cfg.moe.layers[0]
+    layer = next((i for i in cfg.moe.layers if i not in cfg.moe.hash_layers), cfg.moe.layers[0])  # a hash layer routes by token id
     dtype = model.model.embed_tokens.weight.dtype
     block = 16
     shapes = [(1, 1, 128), (8, 1, 128), (8, 1, 512), (1, 64, 0), (1, 256, 256), (4, 128, 0), (8, 128, 0), (1, 512, 0)]
     longest = max(n + c for _, n, c in shapes)
     num_seqs = max(s for s, _, _ in shapes)
-    blocks = BlockManager(num_seqs * (longest // block + 1), block)
-    cache = PagedKVCache(CacheConfig(block, blocks.num_blocks), 1, model.kv_layout(), dtype)
-    tables = [blocks.ensure(s, longest) for s in range(num_seqs)]
+    num_blocks = num_seqs * (longest // block + 1)
+    window = num_blocks if cfg.compressed is not None else 0  # DeepSeek-V4 keeps its window in a pool of its own
+    blocks = make_blocks(num_blocks, block, False, window, cfg.sliding_window or 0)
+    layouts = model.cache_layouts()
+    cache = PagedKVCache(CacheConfig(block, num_blocks, num_window_blocks=window), 1, model.kv_layout(), dtype,
+                         layouts=None if layouts is None else [layouts[layer]])
+    for s in range(num_seqs):
+        blocks.ensure(s, longest)
     gen = torch.Generator().manual_seed(0)
 
     def batch(seqs: int, n: int, c: int):
-        meta = build_attention_metadata([SeqChunk(tables[s], c, n) for s in range(seqs)], block)
-        return meta, torch.randn(seqs * n, cfg.hidden_size, generator=gen).to(dtype)
+        meta = build_attention_metadata([blocks.chunk(s, c, n) for s in range(seqs)], block, windows=cfg.windows if window else (),
+                                        rates=cfg.compression_rates)
+        return meta, model.embed(torch.randint(cfg.vocab_size, (seqs * n,), generator=gen))  # the layer input (V4: its streams)
 
     rows, t_attn = [], []
     for seqs, n, c in shapes:

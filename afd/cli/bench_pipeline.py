@@ -40,7 +40,9 @@ from afd.serving.offline import generate
 def add_parser(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("pipeline", help="async vs sync vs monolithic on one topology")
     p.add_argument("model", nargs="?", help="model directory (default: a synthetic DeepSeek-V2-Lite-shaped checkpoint written to a temp dir)")
-    p.add_argument("--synthetic-layers", type=int, default=4, help="layers of the synthetic model (first dense)")
+    p.add_argument("--synthetic", choices=["deepseek-v2-lite", "deepseek-v4-flash"], default="deepseek-v2-lite",
+                   help="the synthetic model's shapes (without a model directory)")
+    p.add_argument("--synthetic-layers", type=int, default=4, help="layers of the synthetic model (V2-Lite: the first dense)")
     p.add_argument("--attention-devices", default="cpu:0")
     p.add_argument("--ffn-devices", default="cpu:1")
     p.add_argument("--transport", default="shm", choices=["shm", "torch"])
@@ -244,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     import uuid
 
     from afd.models import load_model_config
-    from afd.models.synthetic import deepseek_v2_lite_shaped, write_random_checkpoint
+    from afd.models.synthetic import SYNTHETIC_SHAPES, write_random_checkpoint
 
     # every launch of the benchmark shares one fork server (torch imported once)
     forks = RunForkServer(env.run_id() or f"bench-{uuid.uuid4().hex[:8]}")
@@ -255,9 +257,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         tmp = tempfile.TemporaryDirectory(prefix="afd-bench-model-")
         model_dir = Path(tmp.name)
-        print(f"writing a synthetic DeepSeek-V2-Lite-shaped bf16 checkpoint ({args.synthetic_layers} layers) to {model_dir}", file=sys.stderr)
-        write_random_checkpoint(deepseek_v2_lite_shaped(num_layers=args.synthetic_layers), model_dir)
-        label = f"synthetic DeepSeek-V2-Lite-shaped, {args.synthetic_layers} layers, bf16"
+        label = f"synthetic {args.synthetic}-shaped, {args.synthetic_layers} layers, bf16"
+        print(f"writing a {label} checkpoint to {model_dir}", file=sys.stderr)
+        write_random_checkpoint(SYNTHETIC_SHAPES[args.synthetic](num_layers=args.synthetic_layers), model_dir)
     try:
         prompts = _workload(load_model_config(model_dir).vocab_size, args)
         if args.attention_ranks:

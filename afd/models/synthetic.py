@@ -105,7 +105,34 @@ def deepseek_v3_shaped(num_layers: int = 4, vocab_size: int = 32000, num_experts
     }
 
 
-SYNTHETIC_SHAPES = {"deepseek-v2-lite": deepseek_v2_lite_shaped, "deepseek-v3": deepseek_v3_shaped}
+def deepseek_v4_flash_shaped(num_layers: int = 4, vocab_size: int = 32000, num_experts: int = 16) -> dict[str, Any]:
+    """A config.json dict with DeepSeek-V4-Flash's layer shapes (hidden 4096, 64 heads on one KV head of 512, q_lora
+    1024, 8 output groups of 1024, a window of 128, CSA (rate 4, an indexer of 64 x 128, top-512) and HCA (rate 128),
+    4 streams, experts x 2048 top-6, the first layer hash-routed) with fewer layers (the first sliding only, then CSA
+    and HCA alternating), 16 routed experts and a 32k vocabulary."""
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": vocab_size, "hidden_size": 4096,
+        "moe_intermediate_size": 2048, "num_hidden_layers": num_layers, "num_attention_heads": 64, "num_key_value_heads": 1,
+        "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024, "sliding_window": 128,
+        "compress_ratios": [0] + [4 if i % 2 else 128 for i in range(1, num_layers)], "index_n_heads": 64, "index_head_dim": 128,
+        "index_topk": 512, "n_routed_experts": num_experts, "n_shared_experts": 1, "num_experts_per_tok": 6, "num_hash_layers": 1,
+        "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "swiglu_limit": 10.0, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+        "max_position_embeddings": 1 << 20, "rope_theta": 10000, "compress_rope_theta": 160000,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1},
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "dtype": "bfloat16",
+    }
+
+
+SYNTHETIC_SHAPES = {"deepseek-v2-lite": deepseek_v2_lite_shaped, "deepseek-v3": deepseek_v3_shaped, "deepseek-v4-flash": deepseek_v4_flash_shaped}
+
+
+def _random(name: str, shape, dtype: torch.dtype, std: float, gen: torch.Generator, num_experts: int) -> torch.Tensor:
+    """A random tensor for parameter ``name``: norms 1, a hash table distinct experts per token, else N(0, std)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype)
+    if name.endswith("tid2eid"):
+        return torch.stack([torch.randperm(num_experts, generator=gen)[: shape[1]] for _ in range(shape[0])])
+    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen).to(dtype)
 
 
 @torch.no_grad()
@@ -115,11 +142,7 @@ def random_model(raw_config: dict[str, Any], dtype: torch.dtype, std: float = 0.
     model = build_meta_model(config)
     gen = torch.Generator().manual_seed(seed)
     for name, param in list(model.named_parameters()):
-        p_dtype = _target_dtype(model, name, dtype)
-        if name.endswith("norm.weight"):
-            value = torch.ones(param.shape, dtype=p_dtype)
-        else:
-            value = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen).to(p_dtype)
+        value = _random(name, param.shape, _target_dtype(model, name, dtype), std, gen, config.moe.num_experts)
         module_name, _, attr = name.rpartition(".")
         model.get_submodule(module_name)._parameters[attr] = nn.Parameter(value, requires_grad=False)
     return model.eval()
@@ -166,11 +189,7 @@ def write_random_checkpoint(
             shape = shape[1:]
         if c.rows is not None:
             shape = (c.rows.stop - c.rows.start, *shape[1:])
-        t_dtype = _target_dtype(model, c.source, dtype)
-        if c.source.endswith("norm.weight"):
-            t = torch.ones(shape, dtype=t_dtype)
-        else:
-            t = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen).to(t_dtype)
+        t = _random(c.param, shape, _target_dtype(model, c.param, dtype), std, gen, config.moe.num_experts)
         stored = {c.source: t}
         if fp8_block is not None and is_quantizable(c.source, tuple(shape)):
             q, scale = quantize(t, fp8_block)

@@ -181,3 +181,21 @@ def _transformers_failures(model, hf) -> list[str]:
 def test_sanity_the_canaries_model_passes(v4):
     model, hf = v4
     assert not _transformers_failures(model, hf)
+
+
+def test_a_synthetic_v4_checkpoint_loads_and_its_costs_fit(tmp_path):
+    """The benchmarks' random-weight V4 (afd/models/synthetic.py, small dims): written under the names transformers
+    writes, loaded by the loader with nothing missing or unexpected, a valid hash table (distinct experts per token),
+    and `afd bench costs`' fit runs over it (the window pool, the streams, a top-k layer's FFN)."""
+    from afd.cli.bench_costs import _fit
+    from afd.models.synthetic import deepseek_v4_flash_shaped, write_random_checkpoint
+
+    raw = deepseek_v4_flash_shaped(num_layers=3, vocab_size=300, num_experts=8)
+    raw.update(hidden_size=256, head_dim=64, qk_rope_head_dim=16, num_attention_heads=4, q_lora_rank=32, o_lora_rank=32, o_groups=2,
+               index_n_heads=4, index_head_dim=32, moe_intermediate_size=64, hc_mult=2)
+    write_random_checkpoint(raw, tmp_path, dtype=torch.float32)
+    model, report = load_model(tmp_path, dtype="float32")
+    table = model.model.layers[0].mlp.gate.tid2eid
+    assert table.shape == (300, 6) and all(len(set(row)) == 6 for row in table.tolist()) and int(table.max()) < 8
+    coef = _fit(model, 1)
+    assert coef["attn_token"] > 0 and len(coef["ffn_curve"]) == 11
