@@ -168,6 +168,26 @@ def test_canary_streams_summed_not_mixed_fails(v4, monkeypatch):
     assert _transformers_failures(model, hf), "streams summed instead of mixed went unnoticed"
 
 
+def test_canary_sinks_dropped_fails(v4):
+    model, hf = v4
+    saved = [layer.self_attn.sinks.detach().clone() for layer in model.model.layers]
+    try:
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data.fill_(float("-inf"))  # a sink of weight 0: as if there were none
+        assert _transformers_failures(model, hf), "dropping the sinks went unnoticed"
+    finally:
+        for layer, sinks in zip(model.model.layers, saved):
+            layer.self_attn.sinks.data.copy_(sinks)
+
+
+def test_canary_output_not_rotated_back_fails(v4, monkeypatch):
+    """The attention output's rotated slice left rotated (the values' rotation not undone at the query's position)."""
+    model, hf = v4
+    plain = d4.rotate_tail
+    monkeypatch.setattr(d4, "rotate_tail", lambda x, positions, rope: x if bool((positions < 0).any()) else plain(x, positions, rope))
+    assert _transformers_failures(model, hf), "the output's rotated slice not rotated back went unnoticed"
+
+
 def _transformers_failures(model, hf) -> list[str]:
     runner, blocks = support.runner_and_blocks(model, 4, 64, 1)
     cap = support.Capture()
