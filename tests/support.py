@@ -340,6 +340,31 @@ def fp64_logits_report(hf_model, ids: list[int], got: torch.Tensor, name: str):
     return ValueReport(name, (got.double() - ref).abs().max().item(), norm, max(2 * own, 1e-5 * max(1.0, norm)))
 
 
+def most_blocks_held(engine, rid: int) -> tuple[int, int]:
+    """Step ``engine`` until it is done; the most window-pool and full-pool blocks request ``rid`` held after a step."""
+    most_window, most_full = 0, 0
+    while engine.has_unfinished():
+        engine.step()
+        if engine.blocks.holds(rid):
+            most_window = max(most_window, sum(b is not None for b in engine.blocks.window_table(rid)))
+            most_full = max(most_full, len(engine.blocks.table(rid)))
+    return most_window, most_full
+
+
+@torch.no_grad()
+def hf_greedy(hf_model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation of ``prompt`` (no cache: the whole sequence each step) and the top-2 logit
+    gap at each step (the near-tie rule's input)."""
+    from afd.testing.parity import top2_gap
+
+    seq, gaps = list(prompt), []
+    for _ in range(steps):
+        logits = hf_model(torch.tensor([seq]), use_cache=False).logits[0, -1]
+        gaps.append(top2_gap(logits))
+        seq.append(int(logits.argmax()))
+    return seq[len(prompt):], gaps
+
+
 @torch.no_grad()
 def hf_reference(hf_model, ids: list[int]):
     """One sequence through transformers (no cache): per-layer outputs [L][T, H], router (logits, ids), logits [T, V]."""

@@ -34,19 +34,17 @@ def parse_work(msg: Message, receiver: str) -> WorkItem:
         if ids.shape != weights.shape or ids.shape[0] != h.num_tokens:
             raise ProtocolError(f"{receiver}: work from {h.source}: ids {list(ids.shape)} / weights {list(weights.shape)} for {h.num_tokens} tokens")
         routing = Routing(ids.long(), weights)
-    shared = None
-    if Op.SHARED in h.ops:
-        shared = msg.get(TensorName.SHARED_ROWS)
-        if tuple(shared.shape) != (h.num_tokens,):
-            raise ProtocolError(f"{receiver}: work from {h.source}: shared rows {list(shared.shape)} for {h.num_tokens} tokens")
-        shared = shared.bool()
-    token_ids = None
-    if TensorName.TOKEN_IDS in msg.tensors:
-        token_ids = msg.get(TensorName.TOKEN_IDS)
-        if tuple(token_ids.shape) != (h.num_tokens,):
-            raise ProtocolError(f"{receiver}: work from {h.source}: token ids {list(token_ids.shape)} for {h.num_tokens} tokens")
-        token_ids = token_ids.long()
+    shared = _per_row(msg, TensorName.SHARED_ROWS, receiver).bool() if Op.SHARED in h.ops else None
+    token_ids = _per_row(msg, TensorName.TOKEN_IDS, receiver).long() if TensorName.TOKEN_IDS in msg.tensors else None
     return WorkItem(h, hidden, routing, shared, token_ids, time.perf_counter())
+
+
+def _per_row(msg: Message, name: TensorName, receiver: str) -> torch.Tensor:
+    """A tensor of one value per row of the part ([n]), checked."""
+    h, t = msg.header, msg.get(name)
+    if tuple(t.shape) != (h.num_tokens,):
+        raise ProtocolError(f"{receiver}: work from {h.source}: {name.name} {list(t.shape)} for {h.num_tokens} tokens")
+    return t
 
 
 def result_message(work: Header, ffn_rank: int, output: torch.Tensor) -> Message:

@@ -14,7 +14,8 @@ from afd.engine.llm_engine import LLMEngine
 from afd.kvcache import PagedKVCache, WindowedBlocks, layout_bytes
 from afd.models import load_model
 from afd.models.deepseek_v4 import cache_layouts
-from afd.testing.parity import compare_greedy, top2_gap
+from afd.testing.parity import compare_greedy
+from tests import support
 
 CASE = "v4-csa-hca"
 BLOCK = 4
@@ -40,13 +41,8 @@ def test_chunked_prefill_across_windows_equals_transformers(checkpoints, unpress
     outs = [o.token_ids for o in e.generate(PROMPTS, GREEDY)]
     assert outs == unpressed
     for prompt, out in zip(PROMPTS, outs):
-        seq, gaps = list(prompt), []
-        with torch.no_grad():
-            for _ in range(GREEDY.max_tokens):
-                logits = hf(torch.tensor([seq]), use_cache=False).logits[0, -1]
-                gaps.append(top2_gap(logits))
-                seq.append(int(logits.argmax()))
-        report = compare_greedy(seq[len(prompt):], out, gaps)
+        ref, gaps = support.hf_greedy(hf, prompt, GREEDY.max_tokens)
+        report = compare_greedy(ref, out, gaps)
         assert report.ok, str(report)
     e.blocks.check()
     assert e.blocks.window.num_used_blocks == 0 and e.blocks.num_used_blocks == 0, "finished requests hold nothing"
@@ -57,12 +53,7 @@ def test_a_sequence_at_8x_the_window_holds_only_its_window(checkpoints):
     e = engine(path, tokens_per_step=4)
     window = e.model.config.sliding_window
     rid = e.add_request(list(range(2, 10)), SamplingParams(max_tokens=8 * window, temperature=0.0, ignore_eos=True))
-    most_window, most_full = 0, 0
-    while e.has_unfinished():
-        e.step()
-        if e.blocks.holds(rid):
-            most_window = max(most_window, sum(b is not None for b in e.blocks.window_table(rid)))
-            most_full = max(most_full, len(e.blocks.table(rid)))
+    most_window, most_full = support.most_blocks_held(e, rid)
     assert most_window <= -(-(window - 1 + 4) // BLOCK) + 1, most_window
     assert most_full == -(-(8 + 8 * window) // BLOCK)
 

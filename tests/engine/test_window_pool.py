@@ -14,7 +14,8 @@ from afd.engine.llm_engine import LLMEngine
 from afd.kvcache import BlockManager, WindowedBlocks
 from afd.kvcache.block_manager import prefix_names
 from afd.models import load_model
-from afd.testing.parity import compare_greedy, top2_gap
+from afd.testing.parity import compare_greedy
+from tests import support
 
 CASE = "gptoss-window6"
 BLOCK = 4
@@ -40,13 +41,8 @@ def test_window_pool_text_equals_transformers_and_the_one_pool_engine(checkpoint
     assert isinstance(plain.blocks, BlockManager)
     assert [o.token_ids for o in plain.generate(PROMPTS, GREEDY)] == [o.token_ids for o in outs]
     for prompt, out in zip(PROMPTS, outs):
-        seq, gaps = list(prompt), []
-        with torch.no_grad():
-            for _ in range(GREEDY.max_tokens):
-                logits = hf(torch.tensor([seq]), use_cache=False).logits[0, -1]
-                gaps.append(top2_gap(logits))
-                seq.append(int(logits.argmax()))
-        report = compare_greedy(seq[len(prompt):], out.token_ids, gaps)
+        ref, gaps = support.hf_greedy(hf, prompt, GREEDY.max_tokens)
+        report = compare_greedy(ref, out.token_ids, gaps)
         assert report.ok, str(report)
     pooled.blocks.check()
     assert pooled.blocks.window.num_used_blocks == 0 and pooled.blocks.num_used_blocks == 0, "finished requests hold nothing"
@@ -59,13 +55,7 @@ def test_a_sequence_at_8x_the_window_holds_only_its_window(checkpoints):
     e = engine(path, window_blocks=32, max_tokens_per_step=4)
     window = e.model.config.sliding_window
     rid = e.add_request(list(range(2, 10)), SamplingParams(max_tokens=8 * window, temperature=0.0, ignore_eos=True))
-    most_window, most_full = 0, 0
-    while e.has_unfinished():
-        e.step()
-        if e.blocks.holds(rid):
-            held = [b for b in e.blocks.window_table(rid) if b is not None]
-            most_window = max(most_window, len(held))
-            most_full = max(most_full, len(e.blocks.table(rid)))
+    most_window, most_full = support.most_blocks_held(e, rid)
     bound = -(-(window - 1 + 4) // BLOCK) + 1  # a chunk of up to 4 tokens after W - 1 visible ones
     assert most_window <= bound, (most_window, bound)
     assert most_full == -(-(8 + 8 * window) // BLOCK), "the full layers keep every position"
