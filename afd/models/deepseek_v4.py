@@ -156,7 +156,7 @@ class V4Attention(nn.Module):
                 width = comp.kv_norm.weight.shape[0]
                 prev, kv, gate = (kv[:r, :width], gate[:r, :width]), kv[r:], gate[r:]
             cache[to][rows] = compress_span(kv, gate, first, r, comp.position_bias, comp.kv_norm.weight, comp.kv_norm.eps, rope,
-                                                overlap, prev)
+                                            overlap, prev)
 
     def _attend(self, seq: CompressedSeq, q, iq, iw, cache: Sequence[torch.Tensor], out: torch.Tensor) -> None:
         """Each query of the sequence over its window, its visible entries (CSA: only the entries the indexer picks
