@@ -16,6 +16,7 @@ from torch import nn
 
 from afd.config import RopeConfig, yarn_mscale
 from afd.kernels import ops as native_ops
+from afd.models.int8 import int8_linear
 from afd.models.mxfp4 import dequantize_mxfp4
 
 
@@ -190,6 +191,7 @@ class GroupedExperts(nn.Module):
         self.tokens_routed = [0] * len(ids)  # (token, slot) rows each held expert has computed (a metric)
         self.fp8_block: tuple[int, int] | None = None  # set by hold_fp8: weights are fp8, dequantised per expert GEMM
         self.mxfp4 = False  # set by hold_mxfp4: weights are MXFP4 blocks, decoded per expert GEMM
+        self.int8 = False  # set by hold_int8: W8A8, int8 weights and per-token int8 activations (afd/models/int8.py)
         self.compute_dtype: torch.dtype | None = None
 
     def hold_fp8(self, name: str, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> None:
@@ -218,6 +220,13 @@ class GroupedExperts(nn.Module):
         gate_up = dequantize(self.gate_up_proj[e].view(2, i, -1), self.gate_up_proj_scale_inv[e], block, self.compute_dtype)
         return gate_up.view(2 * i, -1), dequantize(self.down_proj[e], self.down_proj_scale_inv[e], block, self.compute_dtype)
 
+    def hold_int8(self, gate_up_scale: torch.Tensor, down_scale: torch.Tensor, dtype: torch.dtype) -> None:
+        """``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] now hold int8 weights with these per-row scales
+        ([E, 2I], [E, H]): each expert's GEMMs run W8A8, its input and its activation quantised per token."""
+        self.register_parameter("gate_up_proj_scale", nn.Parameter(gate_up_scale.float(), requires_grad=False))
+        self.register_parameter("down_proj_scale", nn.Parameter(down_scale.float(), requires_grad=False))
+        self.int8, self.compute_dtype = True, dtype
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Partial MoE output over the experts held here.
 
@@ -225,7 +234,7 @@ class GroupedExperts(nn.Module):
         Returns [T, H] = sum over held experts e in topk of weight * expert_e(x);
         ids not held here (or -1) contribute nothing.
         """
-        kernels = native_ops() if x.device.type == "cpu" and self.fp8_block is None else None
+        kernels = native_ops() if x.device.type == "cpu" and self.fp8_block is None and not self.int8 else None
         if kernels is None:
             return self.reference(x, topk_ids, topk_weights)
         # the loop of :meth:`reference` in one C++ call (afd/kernels/csrc/moe_experts.cpp says how)
@@ -240,6 +249,14 @@ class GroupedExperts(nn.Module):
     def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """[T, k] logical ids -> [T, k] local indices, -1 for a slot not held here (or routed elsewhere: -1)."""
         return torch.where(topk_ids >= 0, self._global_to_local.to(topk_ids.device)[topk_ids.clamp(min=0)], -1)
+
+    def _project(self, e: int, which: int, x: torch.Tensor, bias: torch.Tensor | None, weights) -> torch.Tensor:
+        """Local expert ``e``'s gate_up (``which`` 0) or down (1) projection of x: over ``weights`` (its
+        :meth:`expert_weights`), or W8A8 where it holds int8 (``weights`` None)."""
+        if self.int8:
+            weight, scale = (self.gate_up_proj, self.gate_up_proj_scale) if which == 0 else (self.down_proj, self.down_proj_scale)
+            return int8_linear(x, weight[e], scale[e], bias)
+        return linear(x, weights[which], bias)
 
     def reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` as a Python loop over the held experts (every device; fp8 weights dequantised per expert)."""
@@ -260,13 +277,13 @@ class GroupedExperts(nn.Module):
                 rows = order[start : start + n]
                 start += n
                 xe = x[rows // k]  # [n, H]
-                w_gate_up, w_down = self.expert_weights(e)
                 b_gate_up, b_down = (self.gate_up_proj_bias[e], self.down_proj_bias[e]) if self.bias else (None, None)
-                gate, up = linear(xe, w_gate_up, b_gate_up).chunk(2, dim=-1)
+                weights_e = None if self.int8 else self.expert_weights(e)
+                gate, up = self._project(e, 0, xe, b_gate_up, weights_e).chunk(2, dim=-1)
                 if self.swiglu_limit is None:
                     act = F.silu(gate) * up
                 else:
                     act = clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha, self.swiglu_offset)
-                ye = linear(act, w_down, b_down)  # [n, H], the expert's bias before its weight
+                ye = self._project(e, 1, act, b_down, weights_e)  # [n, H], the expert's bias before its weight
                 out[rows] = (ye * weights[rows, None]).to(out.dtype)
         return out.view(num_tokens, k, -1).sum(dim=1)

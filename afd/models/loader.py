@@ -23,6 +23,8 @@ from afd.models.base import MoEModel
 from afd.models.checkpoint import CheckpointError, CheckpointReader
 from afd.models.hf_config import load_model_config, read_config_json
 from afd.models.layers import GroupedExperts
+from afd.models.int8 import SCALE_SUFFIX as INT8_SCALE
+from afd.models.int8 import Int8Linear, dequantize_int8, int8_scheme, row_scales
 from afd.models.mxfp4 import DEFAULT_MXFP4_MODE, MXFP4_MODES, as_mxfp4, dequantize_mxfp4, is_mxfp4
 from afd.models.quant import SCALE_SUFFIX, Fp8Linear, dequantize, fp8_format, fp8_scale_name
 from afd.models.weight_plan import CONVERTS, category, plan_copies, skipped_tensors
@@ -146,6 +148,7 @@ def load_model(
     raw = read_config_json(model_dir)
     config = load_model_config(model_dir)
     fmt = fp8_format(raw)
+    w8a8 = int8_scheme(raw)
     mxfp4_mode, mxfp4 = mxfp4, is_mxfp4(raw)
     target = resolve_dtype(dtype, raw)
     held = selection.held_experts(config.moe.num_experts)
@@ -160,6 +163,8 @@ def load_model(
     available = reader.names()
     if fmt is not None:
         expected |= {s for n in expected for s in [fp8_scale_name(n, available)] if s is not None}
+    if w8a8 is not None:
+        expected |= {n + INT8_SCALE for n in expected if n + INT8_SCALE in available}
     skipped = skipped_tensors(available, config)
     for what, names in skipped.items():
         log.info("skipping the %s: %d tensors not loaded", what, len(names))
@@ -210,6 +215,10 @@ def load_model(
             raise CheckpointError(f"tensor {c.source} has shape {list(got)}, the model expects {list(want)}")
 
     quantized = {c.source for c in plan if fmt is not None and c.scales is None and fp8_scale_name(c.source, available)}
+    # W8A8: the targeted linear weights, held int8 (MLA's kv_b_proj dequantised here: its absorbed decode reads it whole)
+    int8 = {c.source for c in plan if w8a8 is not None and c.source.endswith(".weight") and _is_linear(model, c.param)
+            and w8a8.quantises(c.source.removesuffix(".weight"))}
+    int8_scales: dict[str, dict[tuple[int | None, int], torch.Tensor]] = {}
     keep = fp8 == "keep"
     materialised: dict[str, torch.Tensor] = {}
     scales: dict[str, dict[tuple[int | None, int], torch.Tensor]] = {}  # keep: param -> (expert index, first row) -> scales
@@ -223,9 +232,10 @@ def load_model(
             packed.setdefault(c.param, {}).setdefault(c.index, {})[c.rows.start if c.rows else 0] = (blocks, group_scales)
             continue
         is_q = c.source in quantized
+        is_int8 = c.source in int8 and not c.param.endswith("kv_b_proj.weight")
         if c.param not in materialised:
             param = params[c.param]
-            p_dtype = fmt.dtype if (is_q and keep) else _target_dtype(model, c.param, target)
+            p_dtype = torch.int8 if is_int8 else fmt.dtype if (is_q and keep) else _target_dtype(model, c.param, target)
             materialised[c.param] = torch.empty(param.shape, dtype=p_dtype, device=device)
         dst = materialised[c.param]
         if is_q and keep != (dst.dtype == fmt.dtype):
@@ -239,6 +249,17 @@ def load_model(
             value = dequantize_mxfp4(*as_mxfp4(value, reader.read(c.scales, c.expert)), torch.float32)
         if c.convert is not None:
             value = CONVERTS[c.convert][0](value)
+        if c.source in int8:
+            if value.dtype != torch.int8 or c.source + INT8_SCALE not in available:
+                raise CheckpointError(f"{c.source} is a W8A8 target: it must be int8 beside {c.source + INT8_SCALE} "
+                                      f"(stored {value.dtype}{', no scale' if c.source + INT8_SCALE not in available else ''})")
+            scale = row_scales(reader.read(c.source + INT8_SCALE), value.shape[0])
+            if is_int8:
+                int8_scales.setdefault(c.param, {})[(c.index, c.rows.start if c.rows else 0)] = scale
+            else:
+                value = dequantize_int8(value, scale, torch.float32)
+        elif value.dtype == torch.int8 and w8a8 is not None:
+            raise CheckpointError(f"{c.source} is stored int8 but the W8A8 scheme does not target it (its ignore list or targets)")
         if is_q:
             scale = reader.read(fp8_scale_name(c.source, available))
             if keep:
@@ -252,6 +273,8 @@ def load_model(
         _set_param(model, name, value)
     if scales:
         _keep_fp8(model, scales, fmt.block, target)
+    if int8_scales:
+        _keep_int8(model, int8_scales, target)
     if packed:
         _keep_mxfp4(model, packed, target, device)
     reader.close()
@@ -292,6 +315,35 @@ def _keep_mxfp4(model: MoEModel, packed: dict[str, dict[int, dict[int, tuple[tor
         for attr, (blocks, _) in held.items():
             _set_param(model, f"{module_name}.{attr}", blocks)
         experts.hold_mxfp4(held["gate_up_proj"][1], held["down_proj"][1], dtype)
+
+
+def _is_linear(model: MoEModel, param: str) -> bool:
+    """Whether ``param`` is the weight of a linear layer (what compressed-tensors' ``Linear`` target names): a linear
+    module's, or a routed expert's projection (per expert a linear in the checkpoint); not an embedding, a norm or the
+    router."""
+    module = model.get_submodule(param.rpartition(".")[0])
+    return isinstance(module, nn.Linear) or (isinstance(module, GroupedExperts) and param.endswith(("gate_up_proj", "down_proj")))
+
+
+def _keep_int8(model: MoEModel, scales: dict[str, dict[tuple[int | None, int], torch.Tensor]], dtype: torch.dtype) -> None:
+    """Turn the int8 parameters just loaded into W8A8 modules: linears into :class:`Int8Linear`, routed experts held
+    int8 with their per-row scales (an expert's gate and up rows read as two tensors are concatenated)."""
+    experts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, parts in scales.items():
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, GroupedExperts):
+            per_expert = [torch.cat([parts[k] for k in sorted(k for k in parts if k[0] == e)]) for e in range(len(module.expert_ids))]
+            experts.setdefault(module_name, {})[attr] = torch.stack(per_expert)
+        elif isinstance(module, nn.Linear):
+            parent_name, _, child = module_name.rpartition(".")
+            model.get_submodule(parent_name)._modules[child] = Int8Linear(module.weight, parts[(None, 0)], dtype, module.bias)
+        else:
+            raise CheckpointError(f"int8 weight {name} belongs to a {type(module).__name__}, which cannot hold int8")
+    for module_name, held in experts.items():
+        if set(held) != {"gate_up_proj", "down_proj"}:
+            raise CheckpointError(f"the routed experts of {module_name} are int8 in part ({sorted(held)}): W8A8 needs both projections")
+        model.get_submodule(module_name).hold_int8(held["gate_up_proj"], held["down_proj"], dtype)
 
 
 def _keep_fp8(model: MoEModel, scales: dict[str, dict[tuple[int | None, int], torch.Tensor]], block: tuple[int, int],

@@ -54,8 +54,8 @@ def fp8_format(raw_config: dict[str, Any]) -> Fp8Format | None:
     if not q:
         return None
     method = q.get("quant_method")
-    if method == "mxfp4":
-        return None  # gpt-oss's experts: afd/models/mxfp4.py
+    if method in ("mxfp4", "compressed-tensors"):
+        return None  # gpt-oss's experts: afd/models/mxfp4.py; W8A8: afd/models/int8.py
     if method != "fp8":
         raise ValueError(f"quantization_config.quant_method {method!r} is not supported; afd reads fp8 block-scaled "
                          "checkpoints (quant_method: fp8, weight_block_size)")
