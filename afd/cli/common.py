@@ -140,6 +140,10 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cost-model", help="JSON of planner costs fitted by `afd bench costs` (default: built-in coefficients)")
     g.add_argument("--dense-on", choices=["attention", "ffn"], default="attention", help="where dense-layer MLPs run")
     g.add_argument("--shared-experts-on", choices=["attention", "ffn"], default="attention", help="where shared experts run")
+    g.add_argument("--dispatch-dtype", choices=["model", "bf16", "fp8", "int8"], default="model",
+                   help="what the dispatch sends of each token's FFN input: the compute dtype (default), bf16, or fp8 / int8 with "
+                        "an fp32 scale per token (a W8A8 FFN rank's int8 GEMMs read int8 as it arrives); the combine stays in "
+                        "the compute dtype")
     g.add_argument("--placement", help="explicit expert placement, e.g. 0-3:0,4-7:1 (default: contiguous blocks); "
                                         "an expert listed on several ranks has a copy on each, e.g. 0-7:0,0-7:1")
     g.add_argument("--redundant-experts", type=int, default=0, metavar="N",
@@ -188,6 +192,7 @@ def topology_from_args(args: argparse.Namespace, num_experts: int):
         gate=args.gate,
         dense_on=args.dense_on,
         shared_experts_on=args.shared_experts_on,
+        dispatch_dtype=args.dispatch_dtype,
         placement=ExpertPlacement.parse(args.placement, num_experts) if args.placement else None,
         redundant_experts=args.redundant_experts,
     )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afd.connectors.dispatch_dtype import QuantizedRows, encode
 from afd.connectors.wire import Op, TensorName
 from afd.distributed.placement import CopyTable, ExpertPlacement, alive_mask
 from afd.distributed.topology import Topology
@@ -124,10 +125,18 @@ class FfnMembership:
         bounds = [num_tokens * i // num_ffn for i in range(num_ffn + 1)]  # row slice i: [bounds[i], bounds[i+1])
         in_slice = torch.zeros(num_tokens, dtype=torch.bool, device=ffn_input.device)
         plan: dict[int, tuple[torch.Tensor, Op, dict[TensorName, torch.Tensor]]] = {}
+        sent = encode(ffn_input, t.dispatch_dtype)
+
+        def hidden(rows: torch.Tensor | None) -> dict[TensorName, torch.Tensor]:  # the rows as --dispatch-dtype sends them
+            if isinstance(sent, QuantizedRows):
+                return {TensorName.HIDDEN: sent.values if rows is None else sent.values[rows],
+                        TensorName.HIDDEN_SCALES: sent.scales if rows is None else sent.scales[rows]}
+            return {TensorName.HIDDEN: sent if rows is None else sent[rows]}
+
         if not is_moe:  # a dense layer placed on the FFN side
             for i, r in enumerate(alive):
                 rows = all_rows[bounds[i] : bounds[i + 1]]
-                plan[r] = (rows, Op.DENSE, {TensorName.HIDDEN: ffn_input[rows] if num_ffn > 1 else ffn_input})
+                plan[r] = (rows, Op.DENSE, hidden(rows if num_ffn > 1 else None))
             return plan
         # [T, k] FFN rank computing each selected slot; with one FFN rank it computes them all (no lookup)
         owner = None
@@ -156,7 +165,7 @@ class FfnMembership:
                 tensors[TensorName.WEIGHTS] = (routing.topk_weights if whole else routing.topk_weights[rows]).float()
                 ops = Op.ROUTED
             whole = len(rows) == num_tokens
-            tensors[TensorName.HIDDEN] = ffn_input if whole else ffn_input[rows]
+            tensors.update(hidden(None if whole else rows))
             if shared:
                 tensors[TensorName.SHARED_ROWS] = (mask if whole else mask[rows]).to(torch.uint8)
                 ops |= Op.SHARED

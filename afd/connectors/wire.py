@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 MAGIC = b"AFD1"
-PROTOCOL_VERSION = 4  # 2: membership epoch and contributors in every header; 3: FFN members, Op.RETRY; 4: TOKEN_IDS
+PROTOCOL_VERSION = 4  # 2: membership epoch and contributors in every header; 3: FFN members, Op.RETRY; 4: TOKEN_IDS, HIDDEN_SCALES
 MAX_ATTENTION_RANKS = 64  # the contributors bitmask is 64 bits
 
 _FIXED = struct.Struct("<4sHBBBHHiHQHQQHIBQ")  # see module docstring, in order
@@ -81,9 +81,10 @@ class TensorName(enum.IntEnum):
     TEXT = 4  # [n] uint8: an error message
     SHARED_ROWS = 5  # [n] uint8: 1 where the receiving FFN rank computes the row's shared experts
     TOKEN_IDS = 6  # [n] int32: the rows' tokens, for a hash-routed layer whose gate runs on the FFN side (DeepSeek-V4)
+    HIDDEN_SCALES = 7  # [n, 1] float32: each HIDDEN row's scale when the dispatch quantises (--dispatch-dtype int8 / fp8)
 
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8, torch.float8_e4m3fn]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8, torch.float8_e4m3fn, torch.int8]
 _DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 # enum lookups by value, cached: constructing an IntEnum/IntFlag per field costs microseconds per message
 _KINDS = {int(k): k for k in Kind}

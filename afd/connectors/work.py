@@ -20,6 +20,7 @@ class WorkItem:
     routing: Routing | None  # ids [n, k] (-1: not for this rank), weights [n, k]
     shared_rows: torch.Tensor | None  # [n] bool: rows whose shared experts this rank computes
     token_ids: torch.Tensor | None = None  # [n] int64: the rows' tokens (a hash-routed layer's gate here)
+    hidden_scales: torch.Tensor | None = None  # [n, 1] fp32: ``hidden`` is quantised (int8 / fp8 dispatch), these its scales
     received_at: float = 0.0  # time.perf_counter() when it arrived (straggler wait)
 
 
@@ -36,7 +37,13 @@ def parse_work(msg: Message, receiver: str) -> WorkItem:
         routing = Routing(ids.long(), weights)
     shared = _per_row(msg, TensorName.SHARED_ROWS, receiver).bool() if Op.SHARED in h.ops else None
     token_ids = _per_row(msg, TensorName.TOKEN_IDS, receiver).long() if TensorName.TOKEN_IDS in msg.tensors else None
-    return WorkItem(h, hidden, routing, shared, token_ids, time.perf_counter())
+    scales = None
+    if hidden.dtype in (torch.int8, torch.float8_e4m3fn):
+        scales = msg.get(TensorName.HIDDEN_SCALES)
+        if tuple(scales.shape) != (h.num_tokens, 1) or scales.dtype != torch.float32:
+            raise ProtocolError(f"{receiver}: work from {h.source}: {hidden.dtype} rows need fp32 scales [{h.num_tokens}, 1], "
+                                f"got {scales.dtype} {list(scales.shape)}")
+    return WorkItem(h, hidden, routing, shared, token_ids, scales, time.perf_counter())
 
 
 def _per_row(msg: Message, name: TensorName, receiver: str) -> torch.Tensor:

@@ -15,6 +15,7 @@ __all__ = ["DeviceSpec", "ExpertPlacement", "Topology", "TopologyError", "parse_
            "validate_topology", "backend_for"]
 
 TRANSPORTS = ("loopback", "shm", "tcp", "torch")
+DISPATCH_DTYPES = ("model", "bf16", "fp8", "int8")  # afd/connectors/dispatch_dtype.py
 MULTI_HOST_TRANSPORTS = ("tcp", "torch")
 GATE_PLACEMENTS = ("attention", "ffn")
 SIDES = ("attention", "ffn")
@@ -87,6 +88,7 @@ class Topology:
     redundant_experts: int = 0  # physical expert copies beyond the logical experts (EPLB)
     attention_nodes: tuple[int, ...] = ()  # the node of each attention rank (empty: every rank on node 0)
     ffn_nodes: tuple[int, ...] = ()  # the node of each FFN rank (empty: node 0)
+    dispatch_dtype: str = "model"  # what a dispatch sends of each FFN input row (afd/connectors/dispatch_dtype.py)
 
     def node_of(self, role_name: str, index: int) -> int:
         """``role_name``: "attention" or "ffn"."""
@@ -126,6 +128,7 @@ def validate_topology(topology: Topology, num_experts: int) -> ExpertPlacement:
         ("gate", t.gate, GATE_PLACEMENTS),
         ("dense-on", t.dense_on, SIDES),
         ("shared-experts-on", t.shared_experts_on, SIDES),
+        ("dispatch-dtype", t.dispatch_dtype, DISPATCH_DTYPES),
     ):
         if value not in allowed:
             raise TopologyError(f"--{name} {value!r} is not one of: {', '.join(allowed)}")

@@ -30,17 +30,28 @@ from collections import deque
 
 import torch
 
+from afd.connectors.dispatch_dtype import QuantizedRows
 from afd.connectors.transport import Mailbox, PeerDiedError, PeerSilentError
 from afd.connectors.wire import Header, Kind, Op, ProtocolError, Role, make_message
 from afd.connectors.work import WorkItem, error_message, parse_work, result_message
 from afd.distributed.placement import CopyTable, ExpertPlacement, mask_ranks
 from afd.ffn.unions import Union, Unions
 from afd.models.base import MoEModel
+from afd.models.layers import GroupedExperts
 from afd.types import Routing
 
 log = logging.getLogger(__name__)
 
 SILENCE_CHECK_S = 0.25  # while busy, the attention ranks' silence is checked at most this often
+
+
+def compute_dtype(model: MoEModel) -> torch.dtype:
+    """The dtype an FFN rank computes in: its routed experts' (their compute dtype when held fp8, MXFP4 or int8)."""
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if isinstance(experts, GroupedExperts) and not experts.gate_up_proj.is_meta:
+            return experts.compute_dtype or experts.gate_up_proj.dtype
+    return torch.float32
 
 
 class FFNWorker:
@@ -91,17 +102,19 @@ class FFNWorker:
         self.idle = True  # as of the last report: no work waited (the counters had settled)
 
     def compute(self, layer: int, ops: Op, hidden: torch.Tensor, routing, shared_rows: torch.Tensor | None = None,
-                model: MoEModel | None = None, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+                model: MoEModel | None = None, token_ids: torch.Tensor | None = None,
+                quantized: QuantizedRows | None = None) -> torch.Tensor:
         """One union's FFN half: hidden [N, H] -> [N, H]; ``shared_rows`` [N] bool: where this rank adds
         the shared experts (their rows' slice). ``model``: the experts of the union's placement version;
-        ``token_ids`` [N]: the rows' tokens (a hash-routed layer's router reads them)."""
+        ``token_ids`` [N]: the rows' tokens (a hash-routed layer's router reads them); ``quantized``: the rows as an
+        int8 dispatch sent them, which W8A8 experts read as they are (``hidden`` is their dequantised copy)."""
         m = model or self.model
         if Op.DENSE in ops:
             return m.dense_mlp(layer, hidden)
         if Op.ROUTE in ops:
             routing = m.router(layer, hidden, token_ids)
         self._count_gemms(routing.topk_ids, m)
-        out = m.experts(layer, hidden, routing)
+        out = m.experts(layer, hidden, routing, quantized)
         if Op.SHARED in ops and shared_rows is not None:
             rows = shared_rows.nonzero().squeeze(1)
             if rows.numel():
@@ -309,6 +322,15 @@ class FFNWorker:
         if not items:
             return  # every contributor had nothing for this rank
         hidden = torch.cat([it.hidden for it in items]) if len(items) > 1 else items[0].hidden
+        model, placement = self.versions[union.placement]
+        quantized = None
+        if items[0].hidden_scales is not None:  # an int8 / fp8 dispatch: the values and their per-row scales
+            quantized = QuantizedRows(hidden, torch.cat([it.hidden_scales for it in items]) if len(items) > 1 else items[0].hidden_scales)
+            hidden = quantized.dequantize(compute_dtype(model))
+            if quantized.values.dtype != torch.int8:
+                quantized = None  # fp8 rows: dequantised for every consumer
+        elif hidden.dtype != compute_dtype(model):  # a bf16 dispatch to an fp32 rank
+            hidden = hidden.to(compute_dtype(model))
         routing = None
         if items[0].routing is not None:
             routing = Routing(torch.cat([it.routing.topk_ids for it in items]), torch.cat([it.routing.topk_weights for it in items]))
@@ -318,10 +340,9 @@ class FFNWorker:
             token_ids = torch.cat([it.token_ids for it in items]) if len(items) > 1 else items[0].token_ids
         t0, c0 = time.perf_counter(), time.thread_time()
         ops = union.ops
-        model, placement = self.versions[union.placement]
         if Op.ROUTE in ops and placement is not None and placement.redundant:
             routing, ops = self._own_slots(layer, hidden, items, model, union.placement, token_ids), ops & ~Op.ROUTE
-        out = self.compute(layer, ops, hidden, routing, shared, model, token_ids).to(hidden.dtype)
+        out = self.compute(layer, ops, hidden, routing, shared, model, token_ids, quantized).to(hidden.dtype)
         t1 = time.perf_counter()
         self.busy_s += t1 - t0
         self.busy_cpu_s += time.thread_time() - c0

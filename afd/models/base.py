@@ -272,11 +272,12 @@ class MoEModel(nn.Module):
         self._check_loaded(gate.weight, "router")
         return gate(ffn_input, token_ids)
 
-    def experts(self, layer: int, ffn_input: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Weighted sum over the routed experts held here. [T, H] -> [T, H]."""
+    def experts(self, layer: int, ffn_input: torch.Tensor, routing: Routing, quantized=None) -> torch.Tensor:
+        """Weighted sum over the routed experts held here. [T, H] -> [T, H]. ``quantized``: the rows as an int8
+        dispatch sent them (values, per-row scales), which W8A8 experts read instead of requantising ``ffn_input``."""
         experts = self._moe(layer).experts
         self._check_loaded(experts.gate_up_proj, "routed expert")
-        return experts(ffn_input, routing.topk_ids, routing.topk_weights)
+        return experts(ffn_input, routing.topk_ids, routing.topk_weights, quantized)
 
     def shared_experts(self, layer: int, ffn_input: torch.Tensor) -> torch.Tensor | None:
         block = self._moe(layer)

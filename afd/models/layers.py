@@ -16,7 +16,7 @@ from torch import nn
 
 from afd.config import RopeConfig, yarn_mscale
 from afd.kernels import ops as native_ops
-from afd.models.int8 import int8_linear
+from afd.models.int8 import int8_linear, int8_matmul
 from afd.models.mxfp4 import dequantize_mxfp4
 
 
@@ -227,8 +227,9 @@ class GroupedExperts(nn.Module):
         self.register_parameter("down_proj_scale", nn.Parameter(down_scale.float(), requires_grad=False))
         self.int8, self.compute_dtype = True, dtype
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Partial MoE output over the experts held here.
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, quantized=None) -> torch.Tensor:
+        """Partial MoE output over the experts held here (``quantized``: x as int8 rows and scales, read as they are
+        by int8 experts).
 
         x [T, H]; topk_ids [T, k] logical expert ids (-1: a slot routed elsewhere); topk_weights [T, k].
         Returns [T, H] = sum over held experts e in topk of weight * expert_e(x);
@@ -236,7 +237,7 @@ class GroupedExperts(nn.Module):
         """
         kernels = native_ops() if x.device.type == "cpu" and self.fp8_block is None and not self.int8 else None
         if kernels is None:
-            return self.reference(x, topk_ids, topk_weights)
+            return self.reference(x, topk_ids, topk_weights, quantized if self.int8 else None)
         # the loop of :meth:`reference` in one C++ call (afd/kernels/csrc/moe_experts.cpp says how)
         biases = (self.gate_up_proj_bias, self.down_proj_bias) if self.bias else (None, None)
         scales = (self.gate_up_proj_scales, self.down_proj_scales) if self.mxfp4 else (None, None)
@@ -250,15 +251,17 @@ class GroupedExperts(nn.Module):
         """[T, k] logical ids -> [T, k] local indices, -1 for a slot not held here (or routed elsewhere: -1)."""
         return torch.where(topk_ids >= 0, self._global_to_local.to(topk_ids.device)[topk_ids.clamp(min=0)], -1)
 
-    def _project(self, e: int, which: int, x: torch.Tensor, bias: torch.Tensor | None, weights) -> torch.Tensor:
+    def _project(self, e: int, which: int, x: torch.Tensor, bias: torch.Tensor | None, weights, quantized=None) -> torch.Tensor:
         """Local expert ``e``'s gate_up (``which`` 0) or down (1) projection of x: over ``weights`` (its
-        :meth:`expert_weights`), or W8A8 where it holds int8 (``weights`` None)."""
+        :meth:`expert_weights`), or W8A8 where it holds int8 (``weights`` None; ``quantized``: x's rows already int8)."""
         if self.int8:
             weight, scale = (self.gate_up_proj, self.gate_up_proj_scale) if which == 0 else (self.down_proj, self.down_proj_scale)
+            if quantized is not None:
+                return int8_matmul(quantized[0], quantized[1], weight[e], scale[e], x.dtype, bias)
             return int8_linear(x, weight[e], scale[e], bias)
         return linear(x, weights[which], bias)
 
-    def reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, quantized=None) -> torch.Tensor:
         """:meth:`forward` as a Python loop over the held experts (every device; fp8 weights dequantised per expert)."""
         num_tokens, k = topk_ids.shape
         local = self._local_ids(topk_ids).flatten()  # [T*k]
@@ -279,7 +282,8 @@ class GroupedExperts(nn.Module):
                 xe = x[rows // k]  # [n, H]
                 b_gate_up, b_down = (self.gate_up_proj_bias[e], self.down_proj_bias[e]) if self.bias else (None, None)
                 weights_e = None if self.int8 else self.expert_weights(e)
-                gate, up = self._project(e, 0, xe, b_gate_up, weights_e).chunk(2, dim=-1)
+                qe = None if quantized is None else (quantized[0][rows // k], quantized[1][rows // k])
+                gate, up = self._project(e, 0, xe, b_gate_up, weights_e, qe).chunk(2, dim=-1)
                 if self.swiglu_limit is None:
                     act = F.silu(gate) * up
                 else:
