@@ -43,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--fp8", choices=["dequantize", "keep"],
                    help="synthetic model only: write it as an fp8 block-scaled (128x128) checkpoint and load it this way "
                         "(--fp8-weights); default: bf16/fp32 weights built in memory")
+    g.add_argument("--w8a8", action="store_true",
+                   help="synthetic model only: write it as a W8A8 int8 checkpoint (compressed-tensors, as llm-compressor does) and "
+                        "load it (int8 weights, per-token int8 activations)")
     g.add_argument("--fp8-weights", choices=["dequantize", "keep"], default="dequantize",
                    help="with a checkpoint: how fp8 block-scaled weights are held")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
@@ -81,14 +84,14 @@ def _load(args: argparse.Namespace):
         layers = args.synthetic_layers or (4 if args.synthetic == "deepseek-v3" else 8)
         raw = SYNTHETIC_SHAPES[args.synthetic](num_layers=layers)
         label = f"synthetic {args.synthetic} ({layers} layers, {raw['n_routed_experts']} experts, random)"
-        if not args.fp8:
+        if not args.fp8 and not args.w8a8:
             return random_model(raw, dtype).to(args.device), label
-        with tempfile.TemporaryDirectory(prefix="afd-bench-fp8-") as tmp:
-            print(f"writing an fp8 checkpoint of the {label} model to {tmp}", file=sys.stderr, flush=True)
-            write_random_checkpoint(raw, tmp, torch.bfloat16, fp8_block=(128, 128))
-            model, _ = load_model(tmp, dtype=dtype, selection=WeightSelection.full(), device=args.device, fp8=args.fp8)
-        return model, f"{label}, fp8 {args.fp8}"
-    if args.fp8:
+        with tempfile.TemporaryDirectory(prefix="afd-bench-quant-") as tmp:
+            print(f"writing a {'W8A8' if args.w8a8 else 'fp8'} checkpoint of the {label} model to {tmp}", file=sys.stderr, flush=True)
+            write_random_checkpoint(raw, tmp, torch.bfloat16, fp8_block=None if args.w8a8 else (128, 128), w8a8=args.w8a8)
+            model, _ = load_model(tmp, dtype=dtype, selection=WeightSelection.full(), device=args.device, fp8=args.fp8 or "dequantize")
+        return model, f"{label}, {'W8A8' if args.w8a8 else f'fp8 {args.fp8}'}"
+    if args.fp8 or args.w8a8:
         raise ValueError("--fp8 is for --synthetic models; a checkpoint's fp8 weights are loaded as --fp8-weights says")
     model_dir = resolve_model(args.model)
     model, _ = load_model(model_dir, dtype=args.dtype, selection=WeightSelection.full(), device=args.device, fp8=args.fp8_weights)

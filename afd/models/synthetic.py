@@ -18,7 +18,7 @@ from torch import nn
 
 from afd.models.base import MoEModel
 from afd.models.hf_config import parse_hf_config
-from afd.models.loader import _target_dtype, build_meta_model
+from afd.models.loader import _is_linear, _target_dtype, build_meta_model
 
 
 def deepseek_v2_lite_shaped(num_layers: int = 8, vocab_size: int = 32000) -> dict[str, Any]:
@@ -151,11 +151,13 @@ def random_model(raw_config: dict[str, Any], dtype: torch.dtype, std: float = 0.
 @torch.no_grad()
 def write_random_checkpoint(
     raw_config: dict[str, Any], path, dtype: torch.dtype = torch.bfloat16, std: float = 0.02, seed: int = 0, shard_bytes: int = 1 << 30,
-    fp8_block: tuple[int, int] | None = None,
+    fp8_block: tuple[int, int] | None = None, w8a8: bool = False,
 ) -> int:
     """Write a random-weight checkpoint in the Hugging Face layout (per-expert keys), shard by shard
     (``model.safetensors.index.json`` + shards of about ``shard_bytes``). Returns the tensor bytes written.
-    ``fp8_block``: store the linear weights as DeepSeek-V3's release does (e4m3 + block ``weight_scale_inv``)."""
+    ``fp8_block``: store the linear weights as DeepSeek-V3's release does (e4m3 + block ``weight_scale_inv``).
+    ``w8a8``: as llm-compressor's W8A8 does (compressed-tensors int-quantized: every linear weight but the LM head
+    int8 per output channel beside ``weight_scale`` [out, 1]; activations quantised per token at run time)."""
     from afd.models.quant import SCALE_SUFFIX, is_quantizable, quantize
 
     import json
@@ -194,6 +196,9 @@ def write_random_checkpoint(
         if fp8_block is not None and is_quantizable(c.source, tuple(shape)):
             q, scale = quantize(t, fp8_block)
             stored = {c.source: q, c.source + SCALE_SUFFIX: scale}
+        elif w8a8 and c.param != "lm_head.weight" and _is_linear(model, c.param):
+            scale = (t.float().abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
+            stored = {c.source: torch.round(t.float() / scale).clamp(-127, 127).to(torch.int8), c.source + "_scale": scale}
         for name, t in stored.items():
             shard[name] = t
             size += t.numel() * t.element_size()
@@ -206,5 +211,10 @@ def write_random_checkpoint(
     if fp8_block is not None:
         raw["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                       "weight_block_size": list(fp8_block)}
+    if w8a8:
+        int8 = {"num_bits": 8, "type": "int", "symmetric": True}
+        raw["quantization_config"] = {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+                                      "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**int8, "strategy": "channel"},
+                                                                    "input_activations": {**int8, "strategy": "token", "dynamic": True}}}}
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     return total
