@@ -23,6 +23,7 @@ import torch
 
 from afd import env
 from afd.cli.common import print_table
+from afd.connectors.dispatch_dtype import QuantizedRows, encode
 from afd.connectors.factory import LinkSpec, make_mailbox
 from afd.connectors.transport import LoopbackHub
 from afd.connectors.wire import Header, Kind, Role, TensorName, make_message
@@ -38,6 +39,9 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     c.add_argument("--tokens", default=",".join(map(str, SIZES)), help="payload rows T, comma-separated")
     c.add_argument("--iters", type=int, default=200, help="round trips per size (fewer for large sizes)")
     c.add_argument("--transports", default="loopback,shm,tcp,torch")
+    c.add_argument("--dispatch-dtype", choices=["model", "bf16", "fp8", "int8"], default="model",
+                   help="send the rows as a dispatch of this kind sends them (int8 / fp8: one byte a value plus an fp32 "
+                        "scale a row, afd/connectors/dispatch_dtype.py); model: in --dtype")
     c.add_argument("--json", dest="json_out")
     c.set_defaults(func=run)
 
@@ -46,9 +50,22 @@ def _iters(base: int, nbytes: int) -> int:
     return max(10, min(base, int(base * (1 << 20) / max(nbytes, 1))))
 
 
-def _message(rows: torch.Tensor, seq: int, role: Role) -> object:
+def _message(tensors: dict, seq: int, role: Role) -> object:
     kind = Kind.WORK if role == Role.ATTENTION else Kind.RESULT
-    return make_message(Header(kind, role, 0, 0, layer=0, seq=seq, num_tokens=rows.shape[0]), {TensorName.HIDDEN: rows})
+    rows = tensors[TensorName.HIDDEN].shape[0]
+    return make_message(Header(kind, role, 0, 0, layer=0, seq=seq, num_tokens=rows), tensors)
+
+
+def _payload(rows: torch.Tensor, kind: str) -> dict:
+    """What a dispatch of ``kind`` sends of these rows: the values, and with int8 / fp8 their per-row scales."""
+    sent = encode(rows, kind)
+    if isinstance(sent, QuantizedRows):
+        return {TensorName.HIDDEN: sent.values, TensorName.HIDDEN_SCALES: sent.scales}
+    return {TensorName.HIDDEN: sent}
+
+
+def _nbytes(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _echo(spec: LinkSpec, total: int, hub=None) -> None:
@@ -57,14 +74,14 @@ def _echo(spec: LinkSpec, total: int, hub=None) -> None:
     box.connect(60.0)
     for _ in range(total):
         msg = box.recv(60)
-        box.send(0, _message(msg.tensors[TensorName.HIDDEN], msg.header.seq, Role.FFN))
+        box.send(0, _message(msg.tensors, msg.header.seq, Role.FFN))
     box.close()
 
 
-def _measure_transport(transport: str, payloads: list[torch.Tensor], base_iters: int, forks) -> list[float]:
-    counts = [_iters(base_iters, p.numel() * p.element_size()) + 5 for p in payloads]
+def _measure_transport(transport: str, payloads: list[dict], base_iters: int, forks) -> list[float]:
+    counts = [_iters(base_iters, _nbytes(p)) + 5 for p in payloads]
     with tempfile.TemporaryDirectory(prefix="afd-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
-        biggest = max(p.numel() * p.element_size() for p in payloads) + 4096
+        biggest = max(_nbytes(p) for p in payloads) + 4096
         spec = LinkSpec(transport, d, num_slots=4, slot_bytes=biggest)
         hub, peer, store = None, None, None
         if transport == "shm":
@@ -116,9 +133,10 @@ def _gloo_peer(port: int, shapes: list, counts: list, dtype) -> None:
     dist.destroy_process_group()
 
 
-def _measure_gloo(payloads: list[torch.Tensor], base_iters: int, forks) -> list[float]:
+def _measure_gloo(payloads: list[dict], base_iters: int, forks) -> list[float]:
     import torch.distributed as dist
 
+    payloads = [p[TensorName.HIDDEN] for p in payloads]  # raw gloo: the values alone
     counts = [_iters(base_iters, p.numel() * p.element_size()) + 5 for p in payloads]
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
     peer = forks.process(_gloo_peer, (store.port, [tuple(p.shape) for p in payloads], counts, payloads[0].dtype), "afd-bench-gloo")
@@ -141,9 +159,9 @@ def _measure_gloo(payloads: list[torch.Tensor], base_iters: int, forks) -> list[
     return results
 
 
-def _measure_memcpy(payloads: list[torch.Tensor], base_iters: int) -> list[float]:
+def _measure_memcpy(payloads: list[dict], base_iters: int) -> list[float]:
     out = []
-    for p in payloads:
+    for p in (p[TensorName.HIDDEN] for p in payloads):
         dst, times = torch.empty_like(p), []
         for _ in range(_iters(base_iters, p.numel() * p.element_size())):
             t0 = time.perf_counter()
@@ -157,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     tokens = [int(t) for t in args.tokens.split(",")]
-    payloads = [torch.randn(t, args.hidden).to(dtype) for t in tokens]
+    payloads = [_payload(torch.randn(t, args.hidden).to(dtype), args.dispatch_dtype) for t in tokens]
     columns = {"memcpy": _measure_memcpy(payloads, args.iters)}
     forks = RunForkServer(env.run_id() or f"bench-{uuid.uuid4().hex[:8]}")  # peers forked from it: torch imported once
     try:
@@ -170,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     header = ["T", "bytes"] + [f"{n} us" for n in names] + [f"{n} GB/s" for n in names if n != "memcpy"]
     rows = []
     for i, (t, p) in enumerate(zip(tokens, payloads)):
-        nbytes = p.numel() * p.element_size()
+        nbytes = _nbytes(p)
         lat = [f"{1e6 * columns[n][i]:.1f}" for n in names]
         bw = [f"{nbytes / columns[n][i] / 1e9:.2f}" for n in names if n != "memcpy"]
         rows.append([str(t), str(nbytes), *lat, *bw])
@@ -178,11 +196,11 @@ def run(args: argparse.Namespace) -> int:
     mid = tokens.index(128) if 128 in tokens else len(tokens) // 2
     if "shm" in columns:
         print(
-            f"summary: [T, {args.hidden}] {args.dtype}, one-way median: at T={tokens[mid]} shm {1e6 * columns['shm'][mid]:.0f} us "
+            f"summary: [T, {args.hidden}] {args.dtype}, dispatch {args.dispatch_dtype}, one-way median: at T={tokens[mid]} shm {1e6 * columns['shm'][mid]:.0f} us "
             f"vs raw gloo {1e6 * columns['raw gloo'][mid]:.0f} us ({columns['raw gloo'][mid] / columns['shm'][mid]:.1f}x), "
             f"memcpy {1e6 * columns['memcpy'][mid]:.0f} us"
         )
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"hidden": args.hidden, "dtype": args.dtype, "tokens": tokens, "one_way_s": columns}, f, indent=2)
+            json.dump({"hidden": args.hidden, "dtype": args.dtype, "dispatch_dtype": args.dispatch_dtype, "tokens": tokens, "one_way_s": columns}, f, indent=2)
     return 0

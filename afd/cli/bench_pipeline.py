@@ -46,6 +46,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-devices", default="cpu:0")
     p.add_argument("--ffn-devices", default="cpu:1")
     p.add_argument("--transport", default="shm", choices=["shm", "torch"])
+    p.add_argument("--dispatch-dtype", choices=["model", "bf16", "fp8", "int8"], default="model",
+                   help="what each dispatch sends of the FFN input rows (afd/connectors/dispatch_dtype.py)")
     p.add_argument("--num-seqs", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=8)
@@ -76,10 +78,11 @@ def _cluster(model_dir: Path, args, forks, pipeline: PipelineConfig | None = Non
     from afd.runtime.cluster import Cluster
 
     if attention_ranks is None:
-        topo = Topology(parse_devices(args.attention_devices), parse_devices(args.ffn_devices), transport=args.transport)
+        topo = Topology(parse_devices(args.attention_devices), parse_devices(args.ffn_devices), transport=args.transport,
+                        dispatch_dtype=args.dispatch_dtype)
     else:
         topo = Topology(parse_devices(",".join(["cpu"] * attention_ranks)), parse_devices(",".join(["cpu"] * args.ffn_ranks)),
-                        transport=args.transport)
+                        transport=args.transport, dispatch_dtype=args.dispatch_dtype)
     # every run repeats the same prompts (the comparison needs the same work): no prefix cache to serve them
     engine = EngineArgs(dtype="auto", kv_cache_memory=1 << 30, max_num_batched_tokens=max(4096, args.num_seqs * args.prompt_len),
                         enable_prefix_caching=False)
