@@ -48,6 +48,10 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--mxfp4-experts", type=int, nargs=4, default=[8, 4, 2880, 2880], metavar=("E", "K", "H", "I"),
                    help="MXFP4 keep vs dequantize: experts, top-k, hidden, intermediate (gpt-oss's 2880 x 2880)")
     p.add_argument("--mxfp4-tokens", type=int, nargs="*", default=[1, 8], help="MXFP4: tokens per call (none: skip)")
+    p.add_argument("--int8-rows", type=int, nargs="*", default=[1, 8, 32, 512, 2048],
+                   help="W8A8 linear (afd/models/int8.py): rows of x, decode and prefill sizes (none: skip)")
+    p.add_argument("--int8-linears", nargs="+", default=["2816x2048", "2048x1408"], metavar="NxK",
+                   help="W8A8 linear shapes (default: a DeepSeek-V2-Lite expert's gate_up and down)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own choice)")
     p.add_argument("--runs", type=int, default=20)
@@ -117,6 +121,35 @@ def _linear_case(m: int, n: int, k: int, dtype: torch.dtype, runs: int):
         return call
 
     return alternate(cycled(ops().linear, 0), cycled(F.linear, 1), runs)
+
+
+def _int8_case(m: int, n: int, k: int, runs: int) -> dict:
+    """One W8A8 linear (x quantised per token, int8 GEMM, both scales in the epilogue) against F.linear in fp32 and
+    bf16 on the same shape, each over weights cycled from memory (> 64 MB of copies: none read from cache)."""
+    import statistics
+    import time
+
+    import torch.nn.functional as F
+
+    from afd.models.int8 import int8_linear
+
+    count = max(2, (64 << 20) // (n * k))
+    weights = {"int8": [(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) + 0.5) for _ in range(count)],
+               "float32": [torch.randn(n, k) for _ in range(max(2, count // 4))], "bfloat16": [torch.randn(n, k).bfloat16() for _ in range(max(2, count // 2))]}
+    x = {"int8": torch.randn(m, k), "float32": torch.randn(m, k), "bfloat16": torch.randn(m, k).bfloat16()}
+    calls = {"int8": lambda w: int8_linear(x["int8"], *w), "float32": lambda w: F.linear(x["float32"], w),
+             "bfloat16": lambda w: F.linear(x["bfloat16"], w)}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(runs + 1):  # in turn, the first round a warm-up
+        for name, call in calls.items():
+            w = weights[name][r % len(weights[name])]
+            t0 = time.perf_counter()
+            call(w)
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    out = {f"{name}_ms": statistics.median(t) * 1e3 for name, t in times.items()}
+    out["int8_weight_gbs"] = n * k / (out["int8_ms"] * 1e-3) / 1e9
+    return out
 
 
 def _gdn_case(d: int, h: int, dk: int, dv: int, num_slots: int, runs: int):
@@ -215,6 +248,16 @@ def run(args: argparse.Namespace) -> int:
             results[f"mxfp4 T={t}"] = r
             table.append((f"{t} tokens, top-{k} of {e} ({h} x {i})", f"{r['keep_ms']:.2f}", f"{r['dequantized_ms']:.2f}",
                           f"{r['keep_ms'] / r['dequantized_ms']:.2f}x", f"{r['keep_mib']:.0f}", f"{r['dequantized_mib']:.0f}"))
+        print_table(table)
+    if args.int8_rows:
+        table = [("W8A8 linear", "int8 ms", "fp32 ms", "bf16 ms", "fp32 / int8", "bf16 / int8", "int8 weight GB/s")]
+        for shape in args.int8_linears:
+            n, k = (int(v) for v in shape.lower().split("x"))
+            for m in args.int8_rows:
+                r = _int8_case(m, n, k, args.runs)
+                results[f"int8 linear M={m} N={n} K={k}"] = r
+                table.append((f"{m} rows x ({n} x {k})", f"{r['int8_ms']:.3f}", f"{r['float32_ms']:.3f}", f"{r['bfloat16_ms']:.3f}",
+                              f"{r['float32_ms'] / r['int8_ms']:.2f}x", f"{r['bfloat16_ms'] / r['int8_ms']:.2f}x", f"{r['int8_weight_gbs']:.1f}"))
         print_table(table)
     if speedups:
         print(f"summary: {args.dtype}, torch threads {torch.get_num_threads()}, medians of {args.runs} alternating runs: "

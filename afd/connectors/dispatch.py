@@ -17,7 +17,10 @@ were sent to) are dropped. The sum is over one attempt's results, so it is what 
 computes, up to the row grouping of the expert GEMMs.
 
 The bytes on the wire per token and layer, for every placement: docs/connectors.md (checked against this
-code's counters in tests/connectors/test_dispatch.py).
+code's counters in tests/connectors/test_dispatch.py). Each row of FFN input costs, by ``--dispatch-dtype``
+(afd/connectors/dispatch_dtype.py): ``model`` H x the compute dtype's bytes (4 H in fp32), ``bf16`` 2 H, ``int8``
+and ``fp8`` H + 4 (a byte a value and an fp32 scale; tests/connectors/test_dispatch_dtype.py counts them). The
+combine returns H x the compute dtype's bytes a row whatever the dispatch sent.
 """
 
 from __future__ import annotations
