@@ -100,5 +100,5 @@ def test_canary_output_rotated_slice_not_rotated_back_fails(layers, monkeypatch)
     x = torch.randn(30, H, generator=torch.Generator().manual_seed(2))
     ref = _theirs(attns[kind].config, attns[kind], rotary, x, [30])
     real = v4c.rotate_tail
-    monkeypatch.setattr(v4c, "rotate_tail", lambda t, positions, rope: t if (positions < 0).any() else real(t, positions, rope))
+    monkeypatch.setattr(v4a, "rotate_tail", lambda t, positions, rope: t if (positions < 0).any() else real(t, positions, rope))
     assert not compare_values("not rotated back", ref, _ours(config, attns[kind], kind, x, [30])).ok
