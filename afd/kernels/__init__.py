@@ -15,6 +15,8 @@ kernels are off or cannot be built). Today:
   over each row, with their dtype rules;
 * ``linear``: ``F.linear`` at decode sizes (a few rows), reading the weight once in place instead of
   packing it per call (``afd.models.layers.linear``: every ``Linear`` of the models, the router, the experts).
+* ``int8_matmul``: a W8A8 linear's int8 GEMM at decode sizes (int32 accumulators), the int8 weight read once in
+  place with AVX512-VNNI dot products; more rows, or a CPU without VNNI, go to ``torch._int_mm`` (afd/models/int8.py).
 * ``gdn_decode``: Gated DeltaNet's recurrence at decode (Qwen3-Next, Qwen3.5), one token per sequence, its
   fp32 state read once and rewritten once in place in the state cache's slots, with no gathered copy
   (``recurrent_step`` and the gather and scatter around it in afd/models/gated_deltanet.py).
@@ -48,7 +50,7 @@ from afd import env
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("ops.cpp", "paged_decode.cpp", "moe_experts.cpp", "norm_rope.cpp", "small_linear.cpp",
-                                                                        "gated_deltanet.cpp"))
+                                                                        "gated_deltanet.cpp", "int8_linear.cpp"))
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("simd.h", "small_linear.h"))
 #: -march=native: the library is built on the machine that runs it; OpenMP's simd pragmas vectorize the
 #: reductions without -ffast-math (the order of a dot product's sum changes, nothing else); -fopenmp makes

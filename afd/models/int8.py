@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from afd.kernels import ops as native_ops
+
 #: the scale suffix of a quantised weight ``X.weight``: ``X.weight_scale``
 SCALE_SUFFIX = "_scale"
 
@@ -83,19 +85,35 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                row_bias: torch.Tensor | None = None) -> torch.Tensor:
     """W8A8: x [T, K] (any float dtype) quantised per token, times int8 ``qweight`` [N, K] in int32, both scales
-    (``weight_scale`` [N] fp32) applied to the accumulator -> [T, N] in x's dtype."""
+    (``weight_scale`` [N] fp32) applied to the accumulator -> [T, N] in x's dtype. ``row_bias``: :func:`row_bias` of
+    ``qweight``, computed once where the weight is held (the native kernel's; computed per call when absent)."""
     q, s = quantize_per_token(x)
-    return int8_matmul(q, s, qweight, weight_scale, x.dtype, bias)
+    return int8_matmul(q, s, qweight, weight_scale, x.dtype, bias, row_bias)
+
+
+def row_bias(qweight: torch.Tensor) -> torch.Tensor | None:
+    """What the native decode kernel subtracts per output row (128 x the row's sum, int32); None without it."""
+    kernels = native_ops() if qweight.device.type == "cpu" else None
+    return kernels.int8_row_bias(qweight.reshape(-1, qweight.shape[-1])).reshape(qweight.shape[:-1]) \
+        if kernels is not None and kernels.int8_linear_vectorized else None
 
 
 def int8_matmul(q: torch.Tensor, s: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Already quantised activations (int8 [T, K], scales [T, 1]) times ``qweight`` [N, K] -> [T, N] in ``dtype``."""
+                bias: torch.Tensor | None = None, row_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Already quantised activations (int8 [T, K], scales [T, 1]) times ``qweight`` [N, K] -> [T, N] in ``dtype``: the
+    int32 product from afd's VNNI kernel at decode sizes (afd/kernels/csrc/int8_linear.cpp), else oneDNN's
+    (``torch._int_mm``)."""
     if q.shape[0] == 0:
         return torch.zeros(0, qweight.shape[0], dtype=dtype, device=q.device)
-    acc = torch._int_mm(q, qweight.t()) if q.device.type == "cpu" else (q.float() @ qweight.float().t())
+    if q.device.type != "cpu":
+        acc = q.float() @ qweight.float().t()
+    else:
+        kernels = native_ops()
+        native = kernels is not None and kernels.int8_linear_vectorized and q.shape[0] <= kernels.int8_linear_max_rows
+        acc = kernels.int8_matmul(q, qweight, row_bias) if native else torch._int_mm(q, qweight.t())
     y = acc.float() * s * weight_scale
     return (y if bias is None else y + bias.float()).to(dtype)
 
@@ -120,6 +138,7 @@ class Int8Linear(nn.Module):
         self.qweight = nn.Parameter(qweight, requires_grad=False)
         self.weight_scale = nn.Parameter(row_scales(weight_scale, qweight.shape[0]), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.register_buffer("row_bias", row_bias(qweight), persistent=False)
         self.dtype = dtype
         self.out_features, self.in_features = qweight.shape
 
@@ -129,7 +148,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        return int8_linear(x.reshape(-1, shape[-1]), self.qweight, self.weight_scale, self.bias).reshape(*shape[:-1], -1)
+        return int8_linear(x.reshape(-1, shape[-1]), self.qweight, self.weight_scale, self.bias, self.row_bias).reshape(*shape[:-1], -1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, W8A8"

@@ -17,6 +17,7 @@ from torch import nn
 from afd.config import RopeConfig, yarn_mscale
 from afd.kernels import ops as native_ops
 from afd.models.int8 import int8_linear, int8_matmul
+from afd.models.int8 import row_bias as int8_row_bias
 from afd.models.mxfp4 import dequantize_mxfp4
 
 
@@ -225,6 +226,7 @@ class GroupedExperts(nn.Module):
         ([E, 2I], [E, H]): each expert's GEMMs run W8A8, its input and its activation quantised per token."""
         self.register_parameter("gate_up_proj_scale", nn.Parameter(gate_up_scale.float(), requires_grad=False))
         self.register_parameter("down_proj_scale", nn.Parameter(down_scale.float(), requires_grad=False))
+        self._int8_row_bias = (int8_row_bias(self.gate_up_proj), int8_row_bias(self.down_proj))  # the native kernel's
         self.int8, self.compute_dtype = True, dtype
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, quantized=None) -> torch.Tensor:
@@ -256,9 +258,11 @@ class GroupedExperts(nn.Module):
         :meth:`expert_weights`), or W8A8 where it holds int8 (``weights`` None; ``quantized``: x's rows already int8)."""
         if self.int8:
             weight, scale = (self.gate_up_proj, self.gate_up_proj_scale) if which == 0 else (self.down_proj, self.down_proj_scale)
+            sums = self._int8_row_bias[which]
+            sums = None if sums is None else sums[e]
             if quantized is not None:
-                return int8_matmul(quantized[0], quantized[1], weight[e], scale[e], x.dtype, bias)
-            return int8_linear(x, weight[e], scale[e], bias)
+                return int8_matmul(quantized[0], quantized[1], weight[e], scale[e], x.dtype, bias, sums)
+            return int8_linear(x, weight[e], scale[e], bias, sums)
         return linear(x, weights[which], bias)
 
     def reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, quantized=None) -> torch.Tensor:

@@ -29,6 +29,11 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 at::Tensor gdn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
                       const at::Tensor& state, const at::Tensor& slots, const at::Tensor& fresh);
 
+at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& weight, const c10::optional<at::Tensor>& row_bias);
+at::Tensor int8_row_bias(const at::Tensor& weight);
+bool int8_linear_vectorized();
+int64_t int8_linear_max_rows();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("simd") = pybind11::str(AFD_SIMD_NAME);  // the register tiles built here: "avx512", "avx2" or "none" (simd.h)
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -42,6 +47,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("small_linear_vectorized") = pybind11::bool_(small_linear_vectorized());
   m.attr("small_linear_max_rows") = pybind11::int_(small_linear_max_rows());
   m.attr("small_linear_max_half_rows") = pybind11::int_(small_linear_max_half_rows());
+  m.def("int8_matmul", &int8_matmul, "int8 q [M, K] . int8 W [N, K]^T -> int32; a few rows with AVX512-VNNI reading W once in "
+        "place (int8_linear.cpp), more to torch._int_mm", pybind11::arg("q"), pybind11::arg("weight"),
+        pybind11::arg("row_bias") = pybind11::none());
+  m.def("int8_row_bias", &int8_row_bias, "128 * each int8 weight row's sum, int32 (int8_linear.cpp)");
+  m.attr("int8_linear_vectorized") = pybind11::bool_(int8_linear_vectorized());
+  m.attr("int8_linear_max_rows") = pybind11::int_(int8_linear_max_rows());
   m.def("gdn_decode", &gdn_decode,
         "Gated DeltaNet decode: one token per sequence, its recurrent state read and written in place in the slots (gated_deltanet.cpp)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("g"), pybind11::arg("beta"), pybind11::arg("state"),
