@@ -119,10 +119,10 @@ def test_canary_scales_along_the_input_columns_fail(w8a8, monkeypatch):
 
     plain = int8.int8_matmul
 
-    def columns(q, s, qweight, weight_scale, dtype, bias=None):
+    def columns(q, s, qweight, weight_scale, dtype, bias=None, row_bias=None):
         k = qweight.shape[1]
         wrong = weight_scale.repeat(-(-k // weight_scale.numel()))[:k]  # one scale per input column
-        return (q.float() * s) @ (qweight.float() * wrong).t() if q.shape[0] else plain(q, s, qweight, weight_scale, dtype, bias)
+        return ((q.float() * s) @ (qweight.float() * wrong).t()).to(dtype) if q.shape[0] else plain(q, s, qweight, weight_scale, dtype, bias)
 
     monkeypatch.setattr(int8, "int8_matmul", columns)
     assert failures(load_model(w8a8 / "w8a8", dtype="float32")[0], w8a8)
