@@ -704,34 +704,7 @@ W8A8_IGNORE = ("lm_head", r"re:.*mlp\.gate$")  # llm-compressor's usual recipe: 
 
 def write_w8a8_checkpoint(src: Path, dst: Path, ignore=W8A8_IGNORE, strategy: str = "channel") -> dict[str, torch.Tensor]:
     """A single-file checkpoint written by transformers (``src``) rewritten as llm-compressor writes a W8A8 model
-    (compressed-tensors ``int-quantized``): every linear weight not ignored as int8 rounded per output row
-    (``strategy: channel``, ``weight_scale`` [out, 1]; ``tensor``: one scale), activations declared dynamic per token.
-    Returns the weights the int8 ones decode to, by name."""
-    from safetensors.torch import load_file, save_file
+    (afd.models.int8.quantize_checkpoint); returns the weights the int8 ones decode to, by name."""
+    from afd.models.int8 import quantize_checkpoint
 
-    from afd.models.int8 import Int8Scheme
-
-    scheme = Int8Scheme(("Linear",), tuple(ignore))
-    tensors, decoded = load_file(src / "model.safetensors"), {}
-    for name in [n for n, w in tensors.items() if w.dim() == 2 and n.endswith(".weight") and "embed_tokens" not in n]:
-        if not scheme.quantises(name.removesuffix(".weight")):
-            continue
-        w = tensors[name].float()
-        amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1, 1)
-        scale = (amax / 127).clamp(min=1e-12)
-        tensors[name] = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
-        tensors[name + "_scale"] = scale if strategy == "channel" else scale.reshape(1)
-        decoded[name] = tensors[name].float() * scale
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    for extra in ("tokenizer.json", "tokenizer_config.json"):
-        if (src / extra).exists():
-            (dst / extra).write_bytes((src / extra).read_bytes())
-    raw = json.loads((src / "config.json").read_text())
-    act = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
-    raw["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed", "ignore": list(ignore),
-        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": act,
-                                      "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy, "dynamic": False}}}}
-    (dst / "config.json").write_text(json.dumps(raw))
-    return decoded
+    return quantize_checkpoint(src, dst, tuple(ignore), strategy)

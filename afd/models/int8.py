@@ -153,3 +153,42 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, W8A8"
 
+
+
+def quantize_checkpoint(src, dst, ignore: tuple[str, ...] = ("lm_head", r"re:.*mlp\.gate$"), strategy: str = "channel") -> dict[str, torch.Tensor]:
+    """A single-file checkpoint (``src``: ``model.safetensors``, ``config.json``, tokenizer files) rewritten as
+    llm-compressor's round-to-nearest W8A8 writes it (compressed-tensors ``int-quantized``): every 2-D weight but the
+    embeddings and ``ignore`` as int8 rounded per output row (``strategy: channel``: ``weight_scale`` [out, 1];
+    ``tensor``: one scale), activations declared dynamic per token. For tests and benchmarks (no calibration, no
+    SmoothQuant). Returns the weights the int8 ones decode to, by name."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    scheme = Int8Scheme(("Linear",), tuple(ignore))
+    tensors, decoded = load_file(src / "model.safetensors"), {}
+    for name in [n for n, w in tensors.items() if w.dim() == 2 and n.endswith(".weight") and "embed_tokens" not in n]:
+        if not scheme.quantises(name.removesuffix(".weight")):
+            continue
+        w = tensors[name].float()
+        amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1, 1)
+        scale = (amax / 127).clamp(min=1e-12)
+        tensors[name] = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+        tensors[name + SCALE_SUFFIX] = scale if strategy == "channel" else scale.reshape(1)
+        decoded[name] = tensors[name].float() * scale
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    for extra in src.iterdir():
+        if extra.name not in ("model.safetensors", "config.json") and extra.is_file():
+            shutil.copy(extra, dst / extra.name)
+    raw = json.loads((src / "config.json").read_text())
+    act = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    raw["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed", "ignore": list(ignore),
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": act,
+                                      "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy, "dynamic": False}}}}
+    (dst / "config.json").write_text(json.dumps(raw, indent=2))
+    return decoded
