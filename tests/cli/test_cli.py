@@ -199,13 +199,16 @@ def test_bench_sampler_times_every_mix(tmp_path):
 def test_bench_kernels_times_each_native_kernel_against_its_torch_path(tmp_path):
     out = tmp_path / "kernels.json"
     res = afd("bench", "kernels", "--decode-tokens", "2", "--context", "40", "--heads", "4", "--tokens", "3", "--runs", "2",
-              "--rows", "4", "--linears", "64x32", "--mxfp4-experts", "4", "2", "64", "64", "--mxfp4-tokens", "2", "--gdn-tokens", "2", "--gdn", "4", "16", "16", "4", "--json", str(out))
+              "--rows", "4", "--linears", "64x32", "--mxfp4-experts", "4", "2", "64", "64", "--mxfp4-tokens", "2", "--gdn-tokens", "2", "--gdn", "4", "16", "16", "4", "--int8-rows", "2", "--int8-linears", "64x32", "--json", str(out))
     from afd.kernels import ops
 
     assert "summary:" in res.stdout and f"({ops().simd} register tiles)" in res.stdout
     data = json.loads(out.read_text())
-    assert set(data) == {"decode attention D=2 L=40", "experts T=3", "linear M=4 N=64 K=32", "mxfp4 T=2", "gdn decode D=2"}
+    assert set(data) == {"decode attention D=2 L=40", "experts T=3", "linear M=4 N=64 K=32", "mxfp4 T=2", "gdn decode D=2",
+                         "int8 linear M=2 N=64 K=32"}
     mxfp4 = data.pop("mxfp4 T=2")
+    int8 = data.pop("int8 linear M=2 N=64 K=32")
+    assert all(int8[k] > 0 for k in ("int8_ms", "float32_ms", "bfloat16_ms"))
     assert all(v["native_ms"] > 0 and v["torch_ms"] > 0 for v in data.values())
     assert mxfp4["keep_ms"] > 0 and mxfp4["keep_mib"] < mxfp4["dequantized_mib"] / 3  # 4.25 bits against fp32's 32
 

@@ -92,7 +92,7 @@ def test_canary_expert_bias_after_the_combine_weight_fails(gpt_oss, monkeypatch)
         experts = layer.mlp.experts
         right = experts.reference
 
-        def biased_after(x, ids, weights, experts=experts, right=right):
+        def biased_after(x, ids, weights, quantized=None, experts=experts, right=right):
             out = right(x, ids, weights)
             local = experts._local_ids(ids)
             bias = experts.down_proj_bias[local.clamp(min=0)] * (local >= 0)[..., None]  # [T, k, H]
