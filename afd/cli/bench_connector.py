@@ -23,7 +23,7 @@ import torch
 
 from afd import env
 from afd.cli.common import print_table
-from afd.connectors.dispatch_dtype import QuantizedRows, encode
+from afd.connectors.dispatch_dtype import DISPATCH_DTYPES, QuantizedRows, encode
 from afd.connectors.factory import LinkSpec, make_mailbox
 from afd.connectors.transport import LoopbackHub
 from afd.connectors.wire import Header, Kind, Role, TensorName, make_message
@@ -39,7 +39,7 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     c.add_argument("--tokens", default=",".join(map(str, SIZES)), help="payload rows T, comma-separated")
     c.add_argument("--iters", type=int, default=200, help="round trips per size (fewer for large sizes)")
     c.add_argument("--transports", default="loopback,shm,tcp,torch")
-    c.add_argument("--dispatch-dtype", choices=["model", "bf16", "fp8", "int8"], default="model",
+    c.add_argument("--dispatch-dtype", choices=DISPATCH_DTYPES, default="model",
                    help="send the rows as a dispatch of this kind sends them (int8 / fp8: one byte a value plus an fp32 "
                         "scale a row, afd/connectors/dispatch_dtype.py); model: in --dtype")
     c.add_argument("--json", dest="json_out")

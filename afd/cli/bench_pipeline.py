@@ -31,6 +31,7 @@ import torch
 from afd import env
 from afd.cli.common import print_table
 from afd.config import EngineArgs, PipelineConfig, SamplingParams
+from afd.distributed.topology import DISPATCH_DTYPES
 from afd.microbatch import CostModel
 from afd.runtime.forkserver import RunForkServer
 from afd.runtime.messages import GetTrace, SetTrace
@@ -46,7 +47,7 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-devices", default="cpu:0")
     p.add_argument("--ffn-devices", default="cpu:1")
     p.add_argument("--transport", default="shm", choices=["shm", "torch"])
-    p.add_argument("--dispatch-dtype", choices=["model", "bf16", "fp8", "int8"], default="model",
+    p.add_argument("--dispatch-dtype", choices=DISPATCH_DTYPES, default="model",
                    help="what each dispatch sends of the FFN input rows (afd/connectors/dispatch_dtype.py)")
     p.add_argument("--num-seqs", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)

@@ -13,6 +13,7 @@ import torch
 
 from afd import env
 from afd.config import DEFAULT_FP8_MODE, DEFAULT_MXFP4_MODE, FP8_MODES, MXFP4_MODES, STATE_DTYPES, EngineArgs, Timeouts
+from afd.distributed.topology import DISPATCH_DTYPES
 
 BUILTIN_MODEL = Path(__file__).resolve().parent.parent / "assets" / "models" / "tiny-shakespeare-moe"
 
@@ -140,7 +141,7 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cost-model", help="JSON of planner costs fitted by `afd bench costs` (default: built-in coefficients)")
     g.add_argument("--dense-on", choices=["attention", "ffn"], default="attention", help="where dense-layer MLPs run")
     g.add_argument("--shared-experts-on", choices=["attention", "ffn"], default="attention", help="where shared experts run")
-    g.add_argument("--dispatch-dtype", choices=["model", "bf16", "fp8", "int8"], default="model",
+    g.add_argument("--dispatch-dtype", choices=DISPATCH_DTYPES, default="model",
                    help="what the dispatch sends of each token's FFN input: the compute dtype (default), bf16, or fp8 / int8 with "
                         "an fp32 scale per token (a W8A8 FFN rank's int8 GEMMs read int8 as it arrives); the combine stays in "
                         "the compute dtype")

@@ -15,9 +15,10 @@ from typing import NamedTuple
 
 import torch
 
+from afd.distributed.topology import DISPATCH_DTYPES
 from afd.models.int8 import quantize_per_token
 
-DISPATCH_DTYPES = ("model", "bf16", "fp8", "int8")
+__all__ = ["DISPATCH_DTYPES", "QuantizedRows", "bytes_per_token", "encode"]
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
 

@@ -15,7 +15,7 @@ __all__ = ["DeviceSpec", "ExpertPlacement", "Topology", "TopologyError", "parse_
            "validate_topology", "backend_for"]
 
 TRANSPORTS = ("loopback", "shm", "tcp", "torch")
-DISPATCH_DTYPES = ("model", "bf16", "fp8", "int8")  # afd/connectors/dispatch_dtype.py
+DISPATCH_DTYPES = ("model", "bf16", "fp8", "int8")  # what a dispatch sends of each row: afd/connectors/dispatch_dtype.py
 MULTI_HOST_TRANSPORTS = ("tcp", "torch")
 GATE_PLACEMENTS = ("attention", "ffn")
 SIDES = ("attention", "ffn")

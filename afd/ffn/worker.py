@@ -60,6 +60,7 @@ class FFNWorker:
         """``relink_timeout``: how long a restarted attention rank's links may take to open (a rank passes its
         hang timeout; the restart opened its ends before it said it was loaded)."""
         self.model = model  # the newest placement version's experts
+        self.dtype = compute_dtype(model)  # what rows sent in another dtype (--dispatch-dtype) are computed in
         self.placement = placement  # with redundant copies: the gate's slots this rank keeps depend on it
         self.placement_version = placement_version
         # placement version -> (its experts, the placement): during a rebalance two, until every sender uses the new one
@@ -326,11 +327,11 @@ class FFNWorker:
         quantized = None
         if items[0].hidden_scales is not None:  # an int8 / fp8 dispatch: the values and their per-row scales
             quantized = QuantizedRows(hidden, torch.cat([it.hidden_scales for it in items]) if len(items) > 1 else items[0].hidden_scales)
-            hidden = quantized.dequantize(compute_dtype(model))
+            hidden = quantized.dequantize(self.dtype)
             if quantized.values.dtype != torch.int8:
                 quantized = None  # fp8 rows: dequantised for every consumer
-        elif hidden.dtype != compute_dtype(model):  # a bf16 dispatch to an fp32 rank
-            hidden = hidden.to(compute_dtype(model))
+        elif hidden.dtype != self.dtype:  # a bf16 dispatch to an fp32 rank
+            hidden = hidden.to(self.dtype)
         routing = None
         if items[0].routing is not None:
             routing = Routing(torch.cat([it.routing.topk_ids for it in items]), torch.cat([it.routing.topk_weights for it in items]))

@@ -88,13 +88,13 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
                 row_bias: torch.Tensor | None = None) -> torch.Tensor:
     """W8A8: x [T, K] (any float dtype) quantised per token, times int8 ``qweight`` [N, K] in int32, both scales
-    (``weight_scale`` [N] fp32) applied to the accumulator -> [T, N] in x's dtype. ``row_bias``: :func:`row_bias` of
-    ``qweight``, computed once where the weight is held (the native kernel's; computed per call when absent)."""
+    (``weight_scale`` [N] fp32) applied to the accumulator -> [T, N] in x's dtype. ``row_bias``: :func:`kernel_row_bias`
+    of ``qweight``, computed once where the weight is held (the native kernel's; computed per call when absent)."""
     q, s = quantize_per_token(x)
     return int8_matmul(q, s, qweight, weight_scale, x.dtype, bias, row_bias)
 
 
-def row_bias(qweight: torch.Tensor) -> torch.Tensor | None:
+def kernel_row_bias(qweight: torch.Tensor) -> torch.Tensor | None:
     """What the native decode kernel subtracts per output row (128 x the row's sum, int32); None without it."""
     kernels = native_ops() if qweight.device.type == "cpu" else None
     return kernels.int8_row_bias(qweight.reshape(-1, qweight.shape[-1])).reshape(qweight.shape[:-1]) \
@@ -138,7 +138,7 @@ class Int8Linear(nn.Module):
         self.qweight = nn.Parameter(qweight, requires_grad=False)
         self.weight_scale = nn.Parameter(row_scales(weight_scale, qweight.shape[0]), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.register_buffer("row_bias", row_bias(qweight), persistent=False)
+        self.register_buffer("row_bias", kernel_row_bias(qweight), persistent=False)
         self.dtype = dtype
         self.out_features, self.in_features = qweight.shape
 

@@ -16,8 +16,7 @@ from torch import nn
 
 from afd.config import RopeConfig, yarn_mscale
 from afd.kernels import ops as native_ops
-from afd.models.int8 import int8_linear, int8_matmul
-from afd.models.int8 import row_bias as int8_row_bias
+from afd.models.int8 import int8_linear, int8_matmul, kernel_row_bias
 from afd.models.mxfp4 import dequantize_mxfp4
 
 
@@ -226,7 +225,7 @@ class GroupedExperts(nn.Module):
         ([E, 2I], [E, H]): each expert's GEMMs run W8A8, its input and its activation quantised per token."""
         self.register_parameter("gate_up_proj_scale", nn.Parameter(gate_up_scale.float(), requires_grad=False))
         self.register_parameter("down_proj_scale", nn.Parameter(down_scale.float(), requires_grad=False))
-        self._int8_row_bias = (int8_row_bias(self.gate_up_proj), int8_row_bias(self.down_proj))  # the native kernel's
+        self._int8_row_bias = (kernel_row_bias(self.gate_up_proj), kernel_row_bias(self.down_proj))  # the native kernel's
         self.int8, self.compute_dtype = True, dtype
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, quantized=None) -> torch.Tensor:

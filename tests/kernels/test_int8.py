@@ -40,7 +40,7 @@ def test_a_w8a8_linear_is_the_same_through_the_kernel_and_through_onednn(monkeyp
     w = torch.randint(-127, 128, (96, 200), dtype=torch.int8, generator=gen)
     scale = torch.rand(96, generator=gen) + 0.1
     x = torch.randn(6, 200, generator=gen)
-    native = int8.int8_linear(x, w, scale, None, int8.row_bias(w))
+    native = int8.int8_linear(x, w, scale, None, int8.kernel_row_bias(w))
     monkeypatch.setattr(int8, "native_ops", lambda: None)
     onednn = int8.int8_linear(x, w, scale)
     assert torch.equal(native, onednn)
