@@ -89,31 +89,40 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tens
                 row_bias: torch.Tensor | None = None) -> torch.Tensor:
     """W8A8: x [T, K] (any float dtype) quantised per token, times int8 ``qweight`` [N, K] in int32, both scales
     (``weight_scale`` [N] fp32) applied to the accumulator -> [T, N] in x's dtype. ``row_bias``: :func:`kernel_row_bias`
-    of ``qweight``, computed once where the weight is held (the native kernel's; computed per call when absent)."""
+    of ``qweight``, computed once where the weight is held. On the CPU the three steps run in one native call
+    (afd/kernels/csrc/int8_linear.cpp: ``int8_linear``, bit for bit these ops); :func:`int8_linear_reference` is its twin."""
+    kernels = native_ops() if x.device.type == "cpu" and x.shape[0] else None
+    if kernels is not None:
+        return kernels.int8_linear(x, qweight, weight_scale, bias, row_bias)
+    return int8_linear_reference(x, qweight, weight_scale, bias, row_bias)
+
+
+def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                          row_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`int8_linear` in torch ops: quantise, the int32 product, the epilogue."""
     q, s = quantize_per_token(x)
     return int8_matmul(q, s, qweight, weight_scale, x.dtype, bias, row_bias)
 
 
 def kernel_row_bias(qweight: torch.Tensor) -> torch.Tensor | None:
-    """What the native decode kernel subtracts per output row (128 x the row's sum, int32); None without it."""
+    """What the native VNNI tiles subtract per output row (128 x the row's sum, int32); None where they do not run."""
     kernels = native_ops() if qweight.device.type == "cpu" else None
     return kernels.int8_row_bias(qweight.reshape(-1, qweight.shape[-1])).reshape(qweight.shape[:-1]) \
-        if kernels is not None and kernels.int8_linear_vectorized else None
+        if kernels is not None and kernels.int8_tiles == "avx512_vnni" else None
 
 
 def int8_matmul(q: torch.Tensor, s: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype,
                 bias: torch.Tensor | None = None, row_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Already quantised activations (int8 [T, K], scales [T, 1]) times ``qweight`` [N, K] -> [T, N] in ``dtype``: the
-    int32 product from afd's VNNI kernel at decode sizes (afd/kernels/csrc/int8_linear.cpp), else oneDNN's
-    (``torch._int_mm``)."""
+    int32 product from afd's int8 tiles at decode sizes (afd/kernels/csrc/int8_linear.cpp: AVX512-VNNI or AVX2), else
+    oneDNN's (``torch._int_mm``)."""
     if q.shape[0] == 0:
         return torch.zeros(0, qweight.shape[0], dtype=dtype, device=q.device)
     if q.device.type != "cpu":
         acc = q.float() @ qweight.float().t()
     else:
         kernels = native_ops()
-        native = kernels is not None and kernels.int8_linear_vectorized and q.shape[0] <= kernels.int8_linear_max_rows
-        acc = kernels.int8_matmul(q, qweight, row_bias) if native else torch._int_mm(q, qweight.t())
+        acc = kernels.int8_matmul(q, qweight, row_bias) if kernels is not None else torch._int_mm(q, qweight.t())
     y = acc.float() * s * weight_scale
     return (y if bias is None else y + bias.float()).to(dtype)
 

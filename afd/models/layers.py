@@ -236,14 +236,20 @@ class GroupedExperts(nn.Module):
         Returns [T, H] = sum over held experts e in topk of weight * expert_e(x);
         ids not held here (or -1) contribute nothing.
         """
-        kernels = native_ops() if x.device.type == "cpu" and self.fp8_block is None and not self.int8 else None
+        kernels = native_ops() if x.device.type == "cpu" and self.fp8_block is None else None
         if kernels is None:
             return self.reference(x, topk_ids, topk_weights, quantized if self.int8 else None)
         # the loop of :meth:`reference` in one C++ call (afd/kernels/csrc/moe_experts.cpp says how)
         biases = (self.gate_up_proj_bias, self.down_proj_bias) if self.bias else (None, None)
-        scales = (self.gate_up_proj_scales, self.down_proj_scales) if self.mxfp4 else (None, None)
-        out, counts = kernels.moe_experts(x, self._local_ids(topk_ids), topk_weights, self.gate_up_proj, self.down_proj,
-                                          *biases, self.swiglu_limit, self.swiglu_alpha, *scales, self.swiglu_offset)
+        if self.int8:
+            q, s = quantized if quantized is not None else (None, None)
+            out, counts = kernels.moe_experts_int8(x, q, s, self._local_ids(topk_ids), topk_weights, self.gate_up_proj, self.down_proj,
+                                                   self.gate_up_proj_scale, self.down_proj_scale, *self._int8_row_bias, *biases,
+                                                   self.swiglu_limit, self.swiglu_alpha, self.swiglu_offset)
+        else:
+            scales = (self.gate_up_proj_scales, self.down_proj_scales) if self.mxfp4 else (None, None)
+            out, counts = kernels.moe_experts(x, self._local_ids(topk_ids), topk_weights, self.gate_up_proj, self.down_proj,
+                                              *biases, self.swiglu_limit, self.swiglu_alpha, *scales, self.swiglu_offset)
         for e, n in enumerate(counts.tolist()):
             self.tokens_routed[e] += n
         return out

@@ -94,7 +94,9 @@ def test_int8_rows_cost_at_most_0_28_of_fp32_bytes(checkpoints):
 def test_w8a8_experts_read_int8_rows_as_they_arrive(checkpoints, tmp_path, monkeypatch):
     """W8A8 experts on the FFN ranks, an int8 dispatch: each expert's first GEMM reads the received int8 rows and their
     scales (counted: no requantisation of the FFN input; only each expert's intermediate is quantised, as W8A8 does),
-    and the combine equals the monolithic W8A8 model's routed experts, which quantise the same rows the same way."""
+    and the combine equals the monolithic W8A8 model's routed experts, which quantise the same rows the same way.
+    Counted in both expert loops: the native one (afd/kernels: one call per layer, given the int8 rows or not) and its
+    torch twin (a call per GEMM: ``int8_matmul`` reads int8 rows, ``int8_linear`` quantises its input)."""
     from afd.models import layers
     from afd.testing.parity import compare_values
     from tests.connectors.test_failover import F, PLACEMENT, Ranks
@@ -105,24 +107,46 @@ def test_w8a8_experts_read_int8_rows_as_they_arrive(checkpoints, tmp_path, monke
     ffn = [load_model(tmp_path / "w8a8", dtype="float32", selection=WeightSelection.experts_only(PLACEMENT.experts_of(r)))[0]
            for r in range(F)]
     calls = {"requantised": 0, "read as sent": 0}
-    linear, matmul = layers.int8_linear, layers.int8_matmul
-    monkeypatch.setattr(layers, "int8_linear", lambda *a, **k: (calls.__setitem__("requantised", calls["requantised"] + 1), linear(*a, **k))[1])
-    monkeypatch.setattr(layers, "int8_matmul", lambda *a, **k: (calls.__setitem__("read as sent", calls["read as sent"] + 1), matmul(*a, **k))[1])
+
+    def count(key: str, fn):
+        return lambda *a, **k: (calls.__setitem__(key, calls[key] + 1), fn(*a, **k))[1]
+
+    class NativeSpy:  # the native ops, their W8A8 expert loop counted by whether it was handed int8 rows
+        def __init__(self, ops):
+            self.ops = ops
+
+        def __getattr__(self, name):
+            return getattr(self.ops, name)
+
+        def moe_experts_int8(self, x, q, *rest):
+            return count("read as sent" if q is not None else "requantised", self.ops.moe_experts_int8)(x, q, *rest)
+
+    native = layers.native_ops()
     layer = model.config.moe.layers[0]
     torch.manual_seed(5)
     x = torch.randn(29, model.config.hidden_size)
     routing = model.router(layer, x)
     counted = {}
-    for kind in ("int8", "model"):
-        calls.update({"requantised": 0, "read as sent": 0})
-        with Ranks(ffn, dispatch_dtype=kind) as ranks:
-            handle = ranks.endpoint.dispatch(layer, 1, x, routing, is_moe=True)
-            y = ranks.endpoint.combine(handle, model.config.hidden_size, x.dtype)
-        counted[kind] = dict(calls)
-        report = compare_values(f"combine ({kind} dispatch)", model.experts(layer, x, routing), y)
-        assert report.ok, str(report)
-    # an expert computing rows on a rank: its first GEMM reads the int8 rows as sent, its second quantises its intermediate
-    invocations = counted["int8"]["read as sent"]
-    assert invocations > 0 and counted["int8"]["requantised"] == invocations, counted
+    for loop in ("native", "torch"):
+        if loop == "native":
+            monkeypatch.setattr(layers, "native_ops", lambda: NativeSpy(native))
+        else:
+            monkeypatch.setattr(layers, "native_ops", lambda: None)
+            monkeypatch.setattr(layers, "int8_linear", count("requantised", layers.int8_linear))
+            monkeypatch.setattr(layers, "int8_matmul", count("read as sent", layers.int8_matmul))
+        for kind in ("int8", "model"):
+            calls.update({"requantised": 0, "read as sent": 0})
+            with Ranks(ffn, dispatch_dtype=kind) as ranks:
+                handle = ranks.endpoint.dispatch(layer, 1, x, routing, is_moe=True)
+                y = ranks.endpoint.combine(handle, model.config.hidden_size, x.dtype)
+            counted[loop, kind] = dict(calls)
+            report = compare_values(f"combine ({kind} dispatch, {loop} loop)", model.experts(layer, x, routing), y)
+            assert report.ok, str(report)
+    # native: every call on a rank is handed the int8 rows as sent; rows sent in the compute dtype are quantised in it
+    assert counted["native", "int8"]["read as sent"] == F and counted["native", "int8"]["requantised"] == 0, counted
+    assert counted["native", "model"] == {"requantised": F, "read as sent": 0}, counted
+    # torch twin: an expert's first GEMM reads the int8 rows as sent, its second quantises its intermediate
+    invocations = counted["torch", "int8"]["read as sent"]
+    assert invocations > 0 and counted["torch", "int8"]["requantised"] == invocations, counted
     # the control: rows sent in the compute dtype are quantised on arrival, before every first GEMM
-    assert counted["model"] == {"requantised": 2 * invocations, "read as sent": 0}, counted
+    assert counted["torch", "model"] == {"requantised": 2 * invocations, "read as sent": 0}, counted

@@ -1,6 +1,7 @@
-"""The native int8 GEMM at decode sizes (``int8_matmul``, afd/kernels/csrc/int8_linear.cpp: AVX512-VNNI, the int8
-weight read in place) against the int32 product in torch, exactly; and a W8A8 linear through it against the same
-linear through ``torch._int_mm`` (oneDNN), which is what runs where the kernel does not."""
+"""The native int8 GEMM at decode sizes (``int8_matmul``, afd/kernels/csrc/int8_linear.cpp: AVX512-VNNI or AVX2, the
+int8 weight read in place) against the int32 product in torch, exactly, through both sets of tiles (a VNNI CPU runs
+AVX2's too); the fused W8A8 linear (``int8_linear``: quantise, GEMM, epilogue in one call) against its torch twin, bit
+for bit; and the W8A8 expert loop (``moe_experts_int8``) against GroupedExperts' Python loop."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from afd.models import int8
 
 
 def kernels():
-    """The kernels; their VNNI path exactly where the CPU has AVX512-VNNI (elsewhere ``int8_matmul`` is oneDNN's, and
-    these tests check that one)."""
+    """The kernels; their VNNI tiles exactly where the CPU has AVX512-VNNI, AVX2's where it has AVX2 only (elsewhere
+    ``int8_matmul`` is oneDNN's, and these tests check that one)."""
     k = native_ops()
-    flags = open("/proc/cpuinfo").read()
-    assert k.int8_linear_vectorized == ("avx512_vnni" in flags and "avx512bw" in flags)
+    flags = open("/proc/cpuinfo").read().split()
+    assert k.int8_tiles == ("avx512_vnni" if "avx512_vnni" in flags and "avx512bw" in flags else "avx2" if "avx2" in flags else "none")
     return k
 
 
@@ -31,8 +32,9 @@ def test_int8_matmul_is_the_exact_int32_product(m, n, k):
     ops = kernels()
     assert torch.equal(ops.int8_matmul(q, w), ref)
     assert torch.equal(ops.int8_matmul(q, w, ops.int8_row_bias(w)), ref)
-    # canary: a row bias off by one row's sum is caught
-    assert not torch.equal(ops.int8_matmul(q, w, ops.int8_row_bias(w).roll(1)), ref) or n == 1
+    assert torch.equal(ops.int8_matmul(q, w, avx2=True), ref)  # AVX2's tiles (widened to int16, no saturation)
+    if ops.int8_tiles == "avx512_vnni":  # canary: a row bias off by one row's sum is caught
+        assert not torch.equal(ops.int8_matmul(q, w, ops.int8_row_bias(w).roll(1)), ref) or n == 1
 
 
 def test_a_w8a8_linear_is_the_same_through_the_kernel_and_through_onednn(monkeypatch):
@@ -44,3 +46,60 @@ def test_a_w8a8_linear_is_the_same_through_the_kernel_and_through_onednn(monkeyp
     monkeypatch.setattr(int8, "native_ops", lambda: None)
     onednn = int8.int8_linear(x, w, scale)
     assert torch.equal(native, onednn)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])  # 17, 40: past the tiles, oneDNN's GEMM
+def test_the_fused_w8a8_linear_is_its_torch_twin_bit_for_bit(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randint(-127, 128, (130, 333), dtype=torch.int8, generator=gen)
+    scale = torch.rand(130, generator=gen) + 0.1
+    bias = torch.randn(130, generator=gen).to(dtype)
+    x = (torch.randn(rows, 333, generator=gen) * 3).to(dtype)
+    x[1:2] = 0  # a zero row (not at 1 row: the canary needs a nonzero one): scale 1, q 0, never a NaN
+    for b in (None, bias):
+        fused = kernels().int8_linear(x, w, scale, b, int8.kernel_row_bias(w))
+        assert fused.dtype == dtype and not fused.isnan().any()
+        assert torch.equal(fused, int8.int8_linear_reference(x, w, scale, b))
+    # canary: the twin with the scales along the wrong rows differs
+    assert not torch.equal(kernels().int8_linear(x, w, scale), int8.int8_linear_reference(x, w, scale.roll(1)))
+
+
+def int8_experts(num_experts=6, hidden=96, inter=40, bias=False, limit=None):
+    """GroupedExperts holding random int8 weights and per-row scales, as the loader leaves them."""
+    from afd.models.layers import GroupedExperts
+
+    gen = torch.Generator().manual_seed(num_experts + hidden)
+    m = GroupedExperts(num_experts + 2, hidden, inter, range(num_experts), bias=bias, swiglu_limit=limit)  # 2 held elsewhere
+    m.gate_up_proj = torch.nn.Parameter(torch.randint(-127, 128, (num_experts, 2 * inter, hidden), dtype=torch.int8, generator=gen),
+                                        requires_grad=False)
+    m.down_proj = torch.nn.Parameter(torch.randint(-127, 128, (num_experts, hidden, inter), dtype=torch.int8, generator=gen),
+                                     requires_grad=False)
+    if bias:
+        m.gate_up_proj_bias.data = torch.randn(num_experts, 2 * inter, generator=gen)
+        m.down_proj_bias.data = torch.randn(num_experts, hidden, generator=gen)
+    m.hold_int8(torch.rand(num_experts, 2 * inter, generator=gen) * 1e-2, torch.rand(num_experts, hidden, generator=gen) * 1e-2,
+                torch.float32)
+    return m
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("bias, limit", [(False, None), (True, 7.0)])
+def test_the_native_w8a8_expert_loop_equals_the_python_loop(tokens, bias, limit):
+    """Per (token, slot) row the two loops compute the same ops, in float32 here; they differ in the order of the sum
+    over slots and in libm's exp against torch's silu (which could round an activation onto the other side of a
+    quantisation step: not with these seeds, so the bound is float32's, relative to the output)."""
+    m = int8_experts(bias=bias, limit=limit)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 96, generator=gen)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(tokens)])  # ids 6, 7: held elsewhere
+    ids[0, 0] = -1
+    weights = torch.rand(tokens, 3, generator=gen)
+    native, ref = m.forward(x, ids, weights), m.reference(x, ids, weights)
+    assert (native - ref).abs().max() <= 1e-6 * ref.abs().max(), ((native - ref).abs().max(), ref.abs().max())
+    # rows already int8 (an int8 dispatch): read as sent, not requantised from x (x zeroed: only q can give the output)
+    q, s = int8.quantize_per_token(x)
+    assert torch.allclose(m.forward(torch.zeros_like(x), ids, weights, (q, s)), native, rtol=0, atol=1e-5)
+    # canary: a weight scale on the wrong expert is seen
+    m.down_proj_scale.data = m.down_proj_scale.data.roll(1, 0)
+    assert not torch.allclose(m.forward(x, ids, weights), native, atol=1e-3)

@@ -20,6 +20,7 @@ std::tuple<at::Tensor, at::Tensor> dsa_index_topk(const at::Tensor& q, const at:
                                                  const at::Tensor& block_tables, const at::Tensor& context_lens,
                                                  int64_t block_size, int64_t topk);
 
+#include "int8_linear.h"
 #include "small_linear.h"
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -29,10 +30,19 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 at::Tensor gdn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
                       const at::Tensor& state, const at::Tensor& slots, const at::Tensor& fresh);
 
-at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& weight, const c10::optional<at::Tensor>& row_bias);
-at::Tensor int8_row_bias(const at::Tensor& weight);
-bool int8_linear_vectorized();
-int64_t int8_linear_max_rows();
+at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& weight, const c10::optional<at::Tensor>& row_bias, bool avx2);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& row_bias);
+const char* int8_tiles();
+
+std::tuple<at::Tensor, at::Tensor> moe_experts_int8(const at::Tensor& x, const c10::optional<at::Tensor>& q,
+                                                    const c10::optional<at::Tensor>& q_scale, const at::Tensor& local_ids,
+                                                    const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
+                                                    const at::Tensor& gate_up_scale, const at::Tensor& down_scale,
+                                                    const c10::optional<at::Tensor>& gate_up_row_bias,
+                                                    const c10::optional<at::Tensor>& down_row_bias,
+                                                    const c10::optional<at::Tensor>& gate_up_bias, const c10::optional<at::Tensor>& down_bias,
+                                                    c10::optional<double> swiglu_limit, double swiglu_alpha, double swiglu_offset);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("simd") = pybind11::str(AFD_SIMD_NAME);  // the register tiles built here: "avx512", "avx2" or "none" (simd.h)
@@ -47,12 +57,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("small_linear_vectorized") = pybind11::bool_(small_linear_vectorized());
   m.attr("small_linear_max_rows") = pybind11::int_(small_linear_max_rows());
   m.attr("small_linear_max_half_rows") = pybind11::int_(small_linear_max_half_rows());
-  m.def("int8_matmul", &int8_matmul, "int8 q [M, K] . int8 W [N, K]^T -> int32; a few rows with AVX512-VNNI reading W once in "
-        "place (int8_linear.cpp), more to torch._int_mm", pybind11::arg("q"), pybind11::arg("weight"),
+  m.def("int8_matmul", &int8_matmul, "int8 q [M, K] . int8 W [N, K]^T -> int32; a few rows in int8 register tiles reading W once "
+        "in place (int8_linear.cpp), more to torch._int_mm; avx2: AVX2's tiles even where VNNI's are built",
+        pybind11::arg("q"), pybind11::arg("weight"), pybind11::arg("row_bias") = pybind11::none(), pybind11::arg("avx2") = false);
+  m.def("int8_linear", &int8_linear, "W8A8 y = dequant(quant_per_token(x) . W^T) (+ b) in one call (int8_linear.cpp)",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("weight_scale"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("row_bias") = pybind11::none());
-  m.def("int8_row_bias", &int8_row_bias, "128 * each int8 weight row's sum, int32 (int8_linear.cpp)");
-  m.attr("int8_linear_vectorized") = pybind11::bool_(int8_linear_vectorized());
-  m.attr("int8_linear_max_rows") = pybind11::int_(int8_linear_max_rows());
+  m.def("int8_row_bias", &int8_row_bias, "128 * each int8 weight row's sum, int32: what the VNNI tiles subtract (int8_linear.cpp)");
+  m.attr("int8_tiles") = pybind11::str(int8_tiles());  // "avx512_vnni", "avx2" or "none"
+  m.attr("int8_linear_max_rows") = pybind11::int_(int8_gemm_max_rows());
   m.def("gdn_decode", &gdn_decode,
         "Gated DeltaNet decode: one token per sequence, its recurrent state read and written in place in the slots (gated_deltanet.cpp)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("g"), pybind11::arg("beta"), pybind11::arg("state"),
@@ -63,4 +76,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("swiglu_limit") = pybind11::none(), pybind11::arg("swiglu_alpha") = 1.702,
         pybind11::arg("gate_up_scales") = pybind11::none(), pybind11::arg("down_scales") = pybind11::none(),
         pybind11::arg("swiglu_offset") = 1.0);
+  m.def("moe_experts_int8", &moe_experts_int8, "the routed W8A8 experts held here: per expert, quantise, int8 GEMM, epilogue, "
+        "activation, again for down, in one call (moe_experts.cpp)",
+        pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("q_scale"), pybind11::arg("local_ids"), pybind11::arg("weights"),
+        pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("gate_up_scale"), pybind11::arg("down_scale"),
+        pybind11::arg("gate_up_row_bias") = pybind11::none(), pybind11::arg("down_row_bias") = pybind11::none(),
+        pybind11::arg("gate_up_bias") = pybind11::none(), pybind11::arg("down_bias") = pybind11::none(),
+        pybind11::arg("swiglu_limit") = pybind11::none(), pybind11::arg("swiglu_alpha") = 1.702, pybind11::arg("swiglu_offset") = 1.0);
 }
