@@ -11,6 +11,8 @@ synthetic model is written as an fp8 block-scaled checkpoint and loaded through 
 ``afd bench sampler``: one step's sampling per option mix (:mod:`afd.cli.bench_sampler`).
 ``afd bench mixed``: long prompts beside decoding sequences: TTFT, decode tok/s, peak RSS (:mod:`afd.cli.bench_mixed`).
 ``afd bench kernels``: the native CPU kernels against the torch paths they replace (:mod:`afd.cli.bench_kernels`).
+``afd bench roofline``: a model's decode bytes and prefill FLOPs against the machine's measured limits
+(:mod:`afd.cli.bench_roofline`).
 """
 
 from __future__ import annotations
@@ -26,29 +28,14 @@ from datetime import date
 
 import torch
 
-from afd.cli.common import device_arg, print_table, resolve_model
-from afd.config import SamplingParams
-
-SYNTHETIC = ("deepseek-v2-lite", "deepseek-v3")
-
+from afd.cli.bench_models import add_model_args, load_for_bench, make_engine
+from afd.cli.common import print_table
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (print a table, optionally write JSON)")
     bsub = p.add_subparsers(dest="bench", required=True)
     g = bsub.add_parser("generate", help="prefill and decode throughput of the monolithic path")
-    g.add_argument("model", nargs="?", help="model directory (default: the built-in model)")
-    g.add_argument("--synthetic", choices=SYNTHETIC, help="use a random-weight model of this shape instead of a checkpoint")
-    g.add_argument("--synthetic-layers", type=int, help="layers of the synthetic model, the first dense (default: 8 for "
-                   "deepseek-v2-lite, 4 for deepseek-v3)")
-    g.add_argument("--fp8", choices=["dequantize", "keep"],
-                   help="synthetic model only: write it as an fp8 block-scaled (128x128) checkpoint and load it this way "
-                        "(--fp8-weights); default: bf16/fp32 weights built in memory")
-    g.add_argument("--w8a8", action="store_true",
-                   help="synthetic model only: write it as a W8A8 int8 checkpoint (compressed-tensors, as llm-compressor does) and "
-                        "load it (int8 weights, per-token int8 activations)")
-    g.add_argument("--fp8-weights", choices=["dequantize", "keep"], default="dequantize",
-                   help="with a checkpoint: how fp8 block-scaled weights are held")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    add_model_args(g)
     g.add_argument("--num-seqs", type=int, default=8)
     g.add_argument("--prompt-len", type=int, default=128)
     g.add_argument("--new-tokens", type=int, default=64)
@@ -57,8 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--device", default="cpu", help="cpu (default), cuda:N or npu:N")
     g.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
     g.set_defaults(func=run_generate)
-    from afd.cli import (bench_attention, bench_connector, bench_costs, bench_hybrid, bench_kernels, bench_mixed, bench_pipeline, bench_v4,
-                         bench_sampler, bench_serve)
+    from afd.cli import (bench_attention, bench_connector, bench_costs, bench_hybrid, bench_kernels, bench_mixed, bench_pipeline,
+                         bench_roofline, bench_sampler, bench_serve, bench_v4)
 
     bench_connector.add_parser(bsub)
     bench_pipeline.add_parser(bsub)
@@ -70,32 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench_attention.add_parser(bsub)
     bench_hybrid.add_parser(bsub)
     bench_v4.add_parser(bsub)
-
-
-def _load(args: argparse.Namespace):
-    import tempfile
-
-    from afd.models import WeightSelection, load_model
-    from afd.models.synthetic import SYNTHETIC_SHAPES, random_model, write_random_checkpoint
-
-    args.device = device_arg(args.device)  # checked before the (long) load
-    if args.synthetic:
-        dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-        layers = args.synthetic_layers or (4 if args.synthetic == "deepseek-v3" else 8)
-        raw = SYNTHETIC_SHAPES[args.synthetic](num_layers=layers)
-        label = f"synthetic {args.synthetic} ({layers} layers, {raw['n_routed_experts']} experts, random)"
-        if not args.fp8 and not args.w8a8:
-            return random_model(raw, dtype).to(args.device), label
-        with tempfile.TemporaryDirectory(prefix="afd-bench-quant-") as tmp:
-            print(f"writing a {'W8A8' if args.w8a8 else 'fp8'} checkpoint of the {label} model to {tmp}", file=sys.stderr, flush=True)
-            write_random_checkpoint(raw, tmp, torch.bfloat16, fp8_block=None if args.w8a8 else (128, 128), w8a8=args.w8a8)
-            model, _ = load_model(tmp, dtype=dtype, selection=WeightSelection.full(), device=args.device, fp8=args.fp8 or "dequantize")
-        return model, f"{label}, {'W8A8' if args.w8a8 else f'fp8 {args.fp8}'}"
-    if args.fp8 or args.w8a8:
-        raise ValueError("--fp8 is for --synthetic models; a checkpoint's fp8 weights are loaded as --fp8-weights says")
-    model_dir = resolve_model(args.model)
-    model, _ = load_model(model_dir, dtype=args.dtype, selection=WeightSelection.full(), device=args.device, fp8=args.fp8_weights)
-    return model, str(model_dir)
+    bench_roofline.add_parser(bsub)
 
 
 def _weight_bytes(model) -> int:
@@ -104,21 +66,7 @@ def _weight_bytes(model) -> int:
 
 def _one_run(model, args: argparse.Namespace, seed: int) -> tuple[float, float]:
     """One batch: returns (prefill seconds, decode seconds)."""
-    from afd.config import EngineConfig
-    from afd.engine.llm_engine import LLMEngine, cache_config_for
-
-    dtype = model.model.embed_tokens.weight.dtype
-    need = args.num_seqs * (args.prompt_len + args.new_tokens + 16)
-    per_token = sum(torch.Size(s).numel() for s in model.kv_layout()) * model.config.num_layers * dtype.itemsize
-    cache = cache_config_for(model, need * per_token, 16, dtype)
-    config = EngineConfig(cache=cache, max_num_seqs=args.num_seqs, max_num_batched_tokens=args.num_seqs * args.prompt_len,
-                          device=args.device)  # each step ends by copying the logits to the host: steps are synchronous
-    engine = LLMEngine(model, None, config)
-    gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    for _ in range(args.num_seqs):
-        prompt = torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=gen).tolist()
-        engine.add_request(prompt, params)
+    engine = make_engine(model, args.num_seqs, args.prompt_len, args.new_tokens, args.device, seed)
     t0 = time.perf_counter()
     engine.step()  # every prompt prefilled in one step
     t1 = time.perf_counter()
@@ -130,7 +78,7 @@ def _one_run(model, args: argparse.Namespace, seed: int) -> tuple[float, float]:
 
 def run_generate(args: argparse.Namespace) -> int:
     t_load = time.perf_counter()
-    model, label = _load(args)
+    model, label = load_for_bench(args)
     t_load = time.perf_counter() - t_load
     print(f"model: {label}; loaded in {t_load:.1f} s; torch threads {torch.get_num_threads()}", file=sys.stderr)
     for i in range(args.warmup):

@@ -247,3 +247,20 @@ def test_bench_pipeline_counts_aggregation_across_attention_ranks(tmp_path):
     assert r["A=1"]["items_per_ffn_batch"] == 1.0 and r["A=2"]["items_per_ffn_batch"] > 1.5
     assert r["A=2"]["mean_gemm_rows"] >= 0.9 * r["A=1"]["mean_gemm_rows"]
     assert all(0 < v["ffn_busy"] <= 1.0 for v in r.values())  # a CPU-time share can never pass 100 %
+
+
+def test_bench_roofline_measures_the_machine_and_the_model(checkpoints, tmp_path):
+    path, _ = checkpoints["ds-noqlora-greedy"]
+    out = tmp_path / "roofline.json"
+    res = afd("bench", "roofline", str(path), "--dtype", "float32", "--batch", "1", "3", "--steps", "3", "--context", "8",
+              "--prefill-tokens", "32", "--prefill-len", "16", "--runs", "1", "--bandwidth-mib", "64", "--gemm-sizes", "128",
+              "--json", str(out))
+    assert "summary:" in res.stdout and "of bandwidth" in res.stdout
+    data = json.loads(out.read_text())
+    assert data["read_bandwidth_gb_s"] > 0 and set(data["gemm_peak_gflop_s"]) == {"float32", "bfloat16", "int8"}
+    assert data["native"]["float32"] and data["compute_dtype"] == "float32"
+    one, three = data["decode"]
+    # three sequences touch at least the experts one does, and hold three times the cache
+    assert three["weight_bytes"] >= one["weight_bytes"] > 0 and three["kv_bytes"] > 2 * one["kv_bytes"]
+    assert [p["tokens"] for p in data["prefill"]] == [32] and data["prefill"][0]["sequences"] == 2
+    assert all(0 < x["fraction"] for x in data["decode"] + data["prefill"])
