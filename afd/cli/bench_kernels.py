@@ -131,10 +131,11 @@ def _int8_case(m: int, n: int, k: int, runs: int) -> dict:
 
     import torch.nn.functional as F
 
-    from afd.models.int8 import int8_linear
+    from afd.models.int8 import int8_linear, kernel_row_bias
 
     count = max(2, (64 << 20) // (n * k))
-    weights = {"int8": [(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) + 0.5) for _ in range(count)],
+    int8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(count)]
+    weights = {"int8": [(w, torch.rand(n) + 0.5, None, kernel_row_bias(w)) for w in int8],  # as Int8Linear holds them
                "float32": [torch.randn(n, k) for _ in range(max(2, count // 4))], "bfloat16": [torch.randn(n, k).bfloat16() for _ in range(max(2, count // 2))]}
     x = {"int8": torch.randn(m, k), "float32": torch.randn(m, k), "bfloat16": torch.randn(m, k).bfloat16()}
     calls = {"int8": lambda w: int8_linear(x["int8"], *w), "float32": lambda w: F.linear(x["float32"], w),

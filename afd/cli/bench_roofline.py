@@ -5,7 +5,7 @@ The machine, measured by the command itself on torch's threads (both cores here)
 * **read bandwidth**: a reduction over a buffer far larger than the last-level cache (``torch.sum`` of float32:
   one load per 4 bytes, vectorised, on every thread), median of ``--runs``;
 * **GEMM peak per dtype**: the best large square matmul torch has for it (float32: MKL; bfloat16: oneDNN; int8:
-  oneDNN's ``torch._int_mm``), sizes 1024-4096, median of ``--runs`` each, the best size kept. A dtype is marked
+  oneDNN's, as ``torch._int_mm`` and as a quantised linear on a prepacked weight), sizes 1024-4096, median of ``--runs`` each, the best size kept. A dtype is marked
   native where the CPU has the instructions for it (bfloat16: AVX512-BF16 or AMX-BF16; int8: VNNI or AMX-INT8);
   elsewhere its peak is an emulation's.
 
@@ -89,17 +89,32 @@ def read_bandwidth(mib: int, runs: int) -> float:
 
 
 def gemm_peak(dtype: str, runs: int, sizes: list[int]) -> tuple[float, int]:
-    """(FLOP/s, n) of the best n x n x n matmul for ``dtype``."""
+    """(FLOP/s, n) of the best n x n x n matmul torch has for ``dtype``: for int8, the better of oneDNN's GEMM as
+    ``torch._int_mm`` runs it (the weight packed per call) and oneDNN's quantised linear on a weight packed once
+    (``onednn.qlinear_prepack``, where torch has it: AMX-INT8 or VNNI kernels)."""
     best = (0.0, 0)
     for n in sizes:
         if dtype == "int8":
             a, b = torch.randint(-127, 128, (n, n), dtype=torch.int8), torch.randint(-127, 128, (n, n), dtype=torch.int8)
-            fn = lambda: torch._int_mm(a, b)  # noqa: E731
+            fns = [lambda: torch._int_mm(a, b)]  # noqa: E731
+            packed = _qlinear_packed(b.t().contiguous(), n)
+            if packed is not None:
+                scale, zero = torch.ones(n), torch.zeros(n, dtype=torch.int32)
+                fns.append(lambda: torch.ops.onednn.qlinear_pointwise(a, 1.0, 0, packed, scale, zero, None, 1.0, 0, torch.float32,
+                                                                       "none", [], ""))
         else:
             a, b = torch.randn(n, n).to(getattr(torch, dtype)), torch.randn(n, n).to(getattr(torch, dtype))
-            fn = lambda: a @ b  # noqa: E731
-        best = max(best, (2 * n**3 / _median_s(fn, runs), n))
+            fns = [lambda: a @ b]  # noqa: E731
+        for fn in fns:
+            best = max(best, (2 * n**3 / _median_s(fn, runs), n))
     return best
+
+
+def _qlinear_packed(weight: torch.Tensor, rows: int):
+    try:
+        return torch.ops.onednn.qlinear_prepack(weight, [rows, weight.shape[1]])
+    except (AttributeError, RuntimeError):
+        return None
 
 
 class Counts:

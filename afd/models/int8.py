@@ -108,14 +108,14 @@ def kernel_row_bias(qweight: torch.Tensor) -> torch.Tensor | None:
     """What the native VNNI tiles subtract per output row (128 x the row's sum, int32); None where they do not run."""
     kernels = native_ops() if qweight.device.type == "cpu" else None
     return kernels.int8_row_bias(qweight.reshape(-1, qweight.shape[-1])).reshape(qweight.shape[:-1]) \
-        if kernels is not None and kernels.int8_tiles == "avx512_vnni" else None
+        if kernels is not None and kernels.int8_needs_row_bias else None
 
 
 def int8_matmul(q: torch.Tensor, s: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype,
                 bias: torch.Tensor | None = None, row_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Already quantised activations (int8 [T, K], scales [T, 1]) times ``qweight`` [N, K] -> [T, N] in ``dtype``: the
-    int32 product from afd's int8 tiles at decode sizes (afd/kernels/csrc/int8_linear.cpp: AVX512-VNNI or AVX2), else
-    oneDNN's (``torch._int_mm``)."""
+    int32 product from afd's int8 tiles (afd/kernels/csrc: AMX-INT8 at 5-256 rows, int8_amx.cpp; AVX512-VNNI or AVX2 at
+    decode sizes, int8_linear.cpp), else oneDNN's (``torch._int_mm``)."""
     if q.shape[0] == 0:
         return torch.zeros(0, qweight.shape[0], dtype=dtype, device=q.device)
     if q.device.type != "cpu":

@@ -1,6 +1,7 @@
-"""The native int8 GEMM at decode sizes (``int8_matmul``, afd/kernels/csrc/int8_linear.cpp: AVX512-VNNI or AVX2, the
-int8 weight read in place) against the int32 product in torch, exactly, through both sets of tiles (a VNNI CPU runs
-AVX2's too); the fused W8A8 linear (``int8_linear``: quantise, GEMM, epilogue in one call) against its torch twin, bit
+"""The native int8 GEMM (``int8_matmul``: AMX-INT8 tiles up to 256 rows, afd/kernels/csrc/int8_amx.cpp; AVX512-VNNI or
+AVX2 register tiles at decode sizes, int8_linear.cpp; the int8 weight read in place) against the int32 product in
+torch, exactly, through every set of tiles the CPU runs (an AMX CPU runs VNNI's and AVX2's too; a set it lacks is
+refused with an error, which the test checks instead); the fused W8A8 linear (``int8_linear``: quantise, GEMM, epilogue in one call) against its torch twin, bit
 for bit; and the W8A8 expert loop (``moe_experts_int8``) against GroupedExperts' Python loop."""
 
 from __future__ import annotations
@@ -13,17 +14,23 @@ from afd.models import int8
 
 
 
+FLAGS = set(open("/proc/cpuinfo").read().split())
+#: the tiles each path needs, as /proc/cpuinfo names the CPU's sets
+PATHS = {"amx": {"amx_int8", "amx_tile"}, "vnni": {"avx512_vnni", "avx512bw"}, "avx2": {"avx2"}}
+
+
 def kernels():
-    """The kernels; their VNNI tiles exactly where the CPU has AVX512-VNNI, AVX2's where it has AVX2 only (elsewhere
-    ``int8_matmul`` is oneDNN's, and these tests check that one)."""
+    """The kernels; the best tiles the CPU has (AMX-INT8, else AVX512-VNNI, else AVX2; with none, ``int8_matmul`` is
+    oneDNN's, and these tests check that one)."""
     k = native_ops()
-    flags = open("/proc/cpuinfo").read().split()
-    assert k.int8_tiles == ("avx512_vnni" if "avx512_vnni" in flags and "avx512bw" in flags else "avx2" if "avx2" in flags else "none")
+    best = next((name for name, need in PATHS.items() if need <= FLAGS), None)
+    assert k.int8_tiles == {"amx": "amx_int8", "vnni": "avx512_vnni", "avx2": "avx2", None: "none"}[best]
+    assert k.int8_needs_row_bias == (PATHS["vnni"] <= FLAGS)
     return k
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 16])
-@pytest.mark.parametrize("n, k", [(2816, 2048), (37, 100), (8, 64), (130, 333), (1, 1)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 13, 16, 17, 40, 256, 257])  # 17+: AMX's or oneDNN's; 257: oneDNN's
+@pytest.mark.parametrize("n, k", [(2816, 2048), (70, 192), (37, 100), (8, 64), (130, 333), (1, 1)])  # 70: AMX's 32-row blocks
 def test_int8_matmul_is_the_exact_int32_product(m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n)
     q = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen)  # -128 too: the unsigned bias must hold
@@ -32,9 +39,14 @@ def test_int8_matmul_is_the_exact_int32_product(m, n, k):
     ops = kernels()
     assert torch.equal(ops.int8_matmul(q, w), ref)
     assert torch.equal(ops.int8_matmul(q, w, ops.int8_row_bias(w)), ref)
-    assert torch.equal(ops.int8_matmul(q, w, avx2=True), ref)  # AVX2's tiles (widened to int16, no saturation)
-    if ops.int8_tiles == "avx512_vnni":  # canary: a row bias off by one row's sum is caught
-        assert not torch.equal(ops.int8_matmul(q, w, ops.int8_row_bias(w).roll(1)), ref) or n == 1
+    for path, need in PATHS.items():
+        if need <= FLAGS:
+            assert torch.equal(ops.int8_matmul(q, w, ops.int8_row_bias(w), path=path), ref), path
+        else:
+            with pytest.raises(RuntimeError, match="do not run here"):
+                ops.int8_matmul(q, w, path=path)
+    if ops.int8_needs_row_bias and m <= 16:  # canary: a row bias off by one row's sum is caught by the VNNI tiles
+        assert not torch.equal(ops.int8_matmul(q, w, ops.int8_row_bias(w).roll(1), path="vnni"), ref) or n == 1
 
 
 def test_a_w8a8_linear_is_the_same_through_the_kernel_and_through_onednn(monkeypatch):
@@ -84,14 +96,14 @@ def int8_experts(num_experts=6, hidden=96, inter=40, bias=False, limit=None):
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-@pytest.mark.parametrize("bias, limit", [(False, None), (True, 7.0)])
-def test_the_native_w8a8_expert_loop_equals_the_python_loop(tokens, bias, limit):
+@pytest.mark.parametrize("bias, limit, hidden, inter", [(False, None, 96, 40), (True, 7.0, 96, 40), (False, None, 128, 64)])  # 128, 64: AMX's
+def test_the_native_w8a8_expert_loop_equals_the_python_loop(tokens, bias, limit, hidden, inter):
     """Per (token, slot) row the two loops compute the same ops, in float32 here; they differ in the order of the sum
     over slots and in libm's exp against torch's silu (which could round an activation onto the other side of a
     quantisation step: not with these seeds, so the bound is float32's, relative to the output)."""
-    m = int8_experts(bias=bias, limit=limit)
+    m = int8_experts(hidden=hidden, inter=inter, bias=bias, limit=limit)
     gen = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, 96, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen)
     ids = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(tokens)])  # ids 6, 7: held elsewhere
     ids[0, 0] = -1
     weights = torch.rand(tokens, 3, generator=gen)

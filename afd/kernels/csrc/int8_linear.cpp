@@ -12,7 +12,7 @@
 //   widened to int16 instead (q once per call, W per load) and VPMADDWD sums pairs into int32, exactly: 16 bytes
 //   of W a load, half VNNI's rate, still faster than the stream of weights at decode sizes.
 //
-// Both are exact (as torch._int_mm). ``int8_linear`` adds W8A8's two other steps around the GEMM in the same call:
+// Both are exact (as torch._int_mm). Where the CPU has AMX-INT8, int8_amx.cpp's tiles take every size first. ``int8_linear`` adds W8A8's two other steps around the GEMM in the same call:
 // each row quantised per token, and the epilogue y = acc * s_x * s_w (+ b), op for op as afd/models/int8.py's
 // int8_linear, so bit for bit its result. Work is split over torch's threads by blocks of W rows; tails of K are
 // masked loads (VNNI) or a scalar loop (AVX2).
@@ -23,6 +23,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -37,6 +39,9 @@ namespace {
 
 constexpr int64_t kMaxRows = 16;  // measured: 1.5-2x torch._int_mm at 4-16 rows, 0.75x at 32 (afd bench kernels)
 constexpr int64_t kPrefetchRows = 32;
+// where AMX-INT8 runs too, the VNNI tiles still take up to 4 rows: 0.7x AMX's time at 1-4 rows, 1.2x at 8
+// (2816 x 2048 and 2048 x 1408, weights from memory; int8_amx.cpp)
+constexpr int64_t kVnniFirstRows = 4;
 
 #if defined(AFD_VNNI)
 // MT rows of u (= q + 128, unsigned) against NT rows of W: out[m][n] = <u_m, w_n> - bias[n], bias = 128 * sum_k w_n.
@@ -146,10 +151,10 @@ void gemm_avx2(const int16_t* q16, int64_t rows, int64_t k_len, const int8_t* w,
 }
 #endif
 
-// acc [M, N] int32 of q [M, K] against W: the tiles for a few rows, oneDNN's GEMM past them or without tiles.
+// acc [M, N] int32 of q [M, K] against W: the tiles where they take the call, oneDNN's GEMM elsewhere.
 at::Tensor int32_product(const at::Tensor& q, const at::Tensor& weight, const int32_t* bias, Int8Path path) {
   const int64_t rows = q.size(0), n_len = weight.size(0);
-  if (rows >= 1 && rows <= kMaxRows) {
+  if (rows >= 1) {
     at::Tensor out = at::empty({rows, n_len}, q.options().dtype(at::kInt));
     if (int8_gemm(q.data_ptr<int8_t>(), rows, q.size(1), weight.data_ptr<int8_t>(), bias, n_len, out.data_ptr<int32_t>(), path)) return out;
   }
@@ -158,11 +163,27 @@ at::Tensor int32_product(const at::Tensor& q, const at::Tensor& weight, const in
 
 }  // namespace
 
+bool int8_path_runs(Int8Path path) {
+  switch (path) {
+    case Int8Path::kBest: return true;
+    case Int8Path::kAmx: return amx_int8_usable();
+#if defined(AFD_VNNI)
+    case Int8Path::kVnni: return true;
+#endif
+#if defined(AFD_INT8_AVX2)
+    case Int8Path::kAvx2: return true;
+#endif
+    default: return false;
+  }
+}
+
 bool int8_gemm(const int8_t* q, int64_t rows, int64_t k_len, const int8_t* w, const int32_t* row_bias, int64_t n_len, int32_t* out,
                Int8Path path) {
-  TORCH_CHECK(rows <= kMaxRows, "int8_gemm takes at most ", kMaxRows, " rows, not ", rows);
+  const bool amx_first = path == Int8Path::kAmx || (path == Int8Path::kBest && (rows > kVnniFirstRows || !int8_needs_row_bias()));
+  if (amx_first && int8_gemm_amx(q, rows, k_len, w, n_len, out)) return true;
+  if (path == Int8Path::kAmx || rows > kMaxRows) return false;
 #if defined(AFD_VNNI)
-  if (path == Int8Path::kBest) {
+  if (path != Int8Path::kAvx2) {
     std::vector<uint8_t> u(rows * k_len);  // q + 128 as unsigned bytes, once
     for (int64_t i = 0; i < rows * k_len; ++i) u[i] = static_cast<uint8_t>(q[i]) ^ 0x80;
     std::vector<int32_t> own;
@@ -178,19 +199,27 @@ bool int8_gemm(const int8_t* q, int64_t rows, int64_t k_len, const int8_t* w, co
   }
 #endif
 #if defined(AFD_INT8_AVX2)
-  std::vector<int16_t> q16(q, q + rows * k_len);  // widened once
-  if (rows == 1) gemm_avx2<4, 1>(q16.data(), rows, k_len, w, n_len, out);
-  else gemm_avx2<2, 4>(q16.data(), rows, k_len, w, n_len, out);
+  if (path != Int8Path::kVnni) {
+    std::vector<int16_t> q16(q, q + rows * k_len);  // widened once
+    if (rows == 1) gemm_avx2<4, 1>(q16.data(), rows, k_len, w, n_len, out);
+    else gemm_avx2<2, 4>(q16.data(), rows, k_len, w, n_len, out);
+    return true;
+  }
+#endif
+  (void)row_bias;
+  return false;
+}
+
+bool int8_needs_row_bias() {
+#if defined(AFD_VNNI)
   return true;
 #else
-  (void)q, (void)k_len, (void)w, (void)row_bias, (void)n_len, (void)out, (void)path;
   return false;
 #endif
 }
 
-int64_t int8_gemm_max_rows() { return kMaxRows; }
-
 const char* int8_tiles() {
+  if (amx_int8_usable()) return "amx_int8";
 #if defined(AFD_VNNI)
   return "avx512_vnni";
 #elif defined(AFD_INT8_AVX2)
@@ -213,15 +242,18 @@ at::Tensor int8_row_bias(const at::Tensor& weight) {
   return weight.sum(1, /*keepdim=*/false, at::kInt).mul_(128);
 }
 
-at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& weight, const c10::optional<at::Tensor>& row_bias, bool avx2) {
+at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& weight, const c10::optional<at::Tensor>& row_bias, const std::string& path) {
   TORCH_CHECK(q.scalar_type() == at::kChar && weight.scalar_type() == at::kChar && q.dim() == 2 && weight.dim() == 2 &&
                   q.size(1) == weight.size(1),
               "int8_matmul: int8 q [M, K] and weight [N, K]");
   if (!q.device().is_cpu()) return at::_int_mm(q, weight.t());
+  const Int8Path p = path == "best" ? Int8Path::kBest : path == "amx" ? Int8Path::kAmx : path == "vnni" ? Int8Path::kVnni
+                     : path == "avx2" ? Int8Path::kAvx2 : throw std::invalid_argument("int8_matmul: path is best, amx, vnni or avx2, not " + path);
+  TORCH_CHECK(int8_path_runs(p), "int8_matmul: the ", path, " tiles do not run here (int8_tiles: ", int8_tiles(), ")");
   const at::Tensor bias = row_bias.has_value() ? row_bias->contiguous() : at::Tensor();
   TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kInt && bias.numel() == weight.size(0)), "int8_matmul: row_bias [N] int32");
   return int32_product(q.contiguous(), weight.contiguous(), bias.defined() ? bias.data_ptr<int32_t>() : nullptr,
-                       avx2 ? Int8Path::kAvx2 : Int8Path::kBest);
+                       p);
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale, const c10::optional<at::Tensor>& bias,

@@ -41,7 +41,6 @@
 #include "int8_linear.h"
 #include "small_linear.h"
 
-const char* int8_tiles();  // int8_linear.cpp
 
 namespace {
 
@@ -273,7 +272,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts_int8(const at::Tensor& x, const c
               "int8 expert scales must be float32 [E, 2I] and [E, H]");
   if (q) TORCH_CHECK(q->scalar_type() == at::kChar && q->sizes() == x.sizes() && q_scale->scalar_type() == at::kFloat && q_scale->numel() == num_tokens,
                      "q must be int8 [T, H] like x, q_scale float32 [T, 1]");
-  const bool vnni = std::string(int8_tiles()) == "avx512_vnni";
+  const bool vnni = int8_needs_row_bias();
   const at::Tensor rb1 = vnni && gate_up_row_bias ? gate_up_row_bias->contiguous() : at::Tensor();
   const at::Tensor rb2 = vnni && down_row_bias ? down_row_bias->contiguous() : at::Tensor();
   const ExpertMath math{gate_up_bias, down_bias, swiglu_limit, swiglu_alpha, swiglu_offset, c10::nullopt, c10::nullopt, x.scalar_type()};
@@ -303,7 +302,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts_int8(const at::Tensor& x, const c
   // acc [n, N] = a [n, K] . w [N, K]^T in int32
   const auto gemm = [&](const int8_t* a, int64_t n, int64_t k_len, const int8_t* w, const at::Tensor& row_bias, int64_t e, int64_t n_len) {
     const int32_t* bias = row_bias.defined() ? row_bias.data_ptr<int32_t>() + e * n_len : nullptr;
-    if (n <= int8_gemm_max_rows() && int8_gemm(a, n, k_len, w, bias, n_len, acc.data())) return;
+    if (int8_gemm(a, n, k_len, w, bias, n_len, acc.data())) return;
     const auto int8 = at::TensorOptions().dtype(at::kChar);
     const at::Tensor product = at::_int_mm(at::from_blob(const_cast<int8_t*>(a), {n, k_len}, int8),
                                            at::from_blob(const_cast<int8_t*>(w), {n_len, k_len}, int8).t());

@@ -30,10 +30,11 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 at::Tensor gdn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
                       const at::Tensor& state, const at::Tensor& slots, const at::Tensor& fresh);
 
-at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& weight, const c10::optional<at::Tensor>& row_bias, bool avx2);
+at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& weight, const c10::optional<at::Tensor>& row_bias, const std::string& path);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale, const c10::optional<at::Tensor>& bias,
                        const c10::optional<at::Tensor>& row_bias);
 const char* int8_tiles();
+bool int8_needs_row_bias();
 
 std::tuple<at::Tensor, at::Tensor> moe_experts_int8(const at::Tensor& x, const c10::optional<at::Tensor>& q,
                                                     const c10::optional<at::Tensor>& q_scale, const at::Tensor& local_ids,
@@ -57,15 +58,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("small_linear_vectorized") = pybind11::bool_(small_linear_vectorized());
   m.attr("small_linear_max_rows") = pybind11::int_(small_linear_max_rows());
   m.attr("small_linear_max_half_rows") = pybind11::int_(small_linear_max_half_rows());
-  m.def("int8_matmul", &int8_matmul, "int8 q [M, K] . int8 W [N, K]^T -> int32; a few rows in int8 register tiles reading W once "
-        "in place (int8_linear.cpp), more to torch._int_mm; avx2: AVX2's tiles even where VNNI's are built",
-        pybind11::arg("q"), pybind11::arg("weight"), pybind11::arg("row_bias") = pybind11::none(), pybind11::arg("avx2") = false);
+  m.def("int8_matmul", &int8_matmul, "int8 q [M, K] . int8 W [N, K]^T -> int32, W read in place: AMX-INT8 tiles at 5-256 rows "
+        "(int8_amx.cpp), else a few rows in VNNI or AVX2 register tiles (int8_linear.cpp), more to torch._int_mm; path: best, "
+        "or amx, vnni, avx2 forced (an error where it does not run)",
+        pybind11::arg("q"), pybind11::arg("weight"), pybind11::arg("row_bias") = pybind11::none(), pybind11::arg("path") = "best");
   m.def("int8_linear", &int8_linear, "W8A8 y = dequant(quant_per_token(x) . W^T) (+ b) in one call (int8_linear.cpp)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("weight_scale"), pybind11::arg("bias") = pybind11::none(),
         pybind11::arg("row_bias") = pybind11::none());
   m.def("int8_row_bias", &int8_row_bias, "128 * each int8 weight row's sum, int32: what the VNNI tiles subtract (int8_linear.cpp)");
-  m.attr("int8_tiles") = pybind11::str(int8_tiles());  // "avx512_vnni", "avx2" or "none"
-  m.attr("int8_linear_max_rows") = pybind11::int_(int8_gemm_max_rows());
+  m.attr("int8_tiles") = pybind11::str(int8_tiles());  // "amx_int8", "avx512_vnni", "avx2" or "none"
+  m.attr("int8_needs_row_bias") = pybind11::bool_(int8_needs_row_bias());
   m.def("gdn_decode", &gdn_decode,
         "Gated DeltaNet decode: one token per sequence, its recurrent state read and written in place in the slots (gated_deltanet.cpp)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("g"), pybind11::arg("beta"), pybind11::arg("state"),
