@@ -14,8 +14,22 @@ from afd.models import int8
 
 
 
+def _amx_granted() -> bool:
+    """Whether Linux lets this process use the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, x86-64 syscall 158):
+    asked here apart from the kernels, since a CPU with AMX under an older kernel or a sandbox runs without it."""
+    import ctypes
+    import platform
+
+    if platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(158, 0x1023, 18) == 0
+
+
 FLAGS = set(open("/proc/cpuinfo").read().split())
-#: the tiles each path needs, as /proc/cpuinfo names the CPU's sets
+if not _amx_granted():
+    FLAGS -= {"amx_int8", "amx_tile"}
+#: the tiles each path needs, as /proc/cpuinfo names the CPU's sets (AMX's only where the OS grants its state)
 PATHS = {"amx": {"amx_int8", "amx_tile"}, "vnni": {"avx512_vnni", "avx512bw"}, "avx2": {"avx2"}}
 
 
