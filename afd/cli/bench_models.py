@@ -59,16 +59,20 @@ def load_for_bench(args: argparse.Namespace):
     return model, str(model_dir)
 
 
+def kv_bytes_per_token(model) -> int:
+    """Bytes of KV cache one token holds across the model's layers, in its compute dtype."""
+    dtype = model.model.embed_tokens.weight.dtype
+    return sum(torch.Size(s).numel() for s in model.kv_layout()) * model.config.num_layers * dtype.itemsize
+
+
 def make_engine(model, num_seqs: int, prompt_len: int, new_tokens: int, device: str, seed: int):
     """An engine holding ``num_seqs`` random prompts of ``prompt_len`` tokens, each to decode ``new_tokens`` greedily
     (ignoring EOS), with cache and a step budget for them all: its first ``step()`` prefills every prompt."""
     from afd.config import EngineConfig
     from afd.engine.llm_engine import LLMEngine, cache_config_for
 
-    dtype = model.model.embed_tokens.weight.dtype
     need = num_seqs * (prompt_len + new_tokens + 16)
-    per_token = sum(torch.Size(s).numel() for s in model.kv_layout()) * model.config.num_layers * dtype.itemsize
-    cache = cache_config_for(model, need * per_token, 16, dtype)
+    cache = cache_config_for(model, need * kv_bytes_per_token(model), 16, model.model.embed_tokens.weight.dtype)
     config = EngineConfig(cache=cache, max_num_seqs=num_seqs, max_num_batched_tokens=num_seqs * prompt_len,
                           device=device)  # each step ends by copying the logits to the host: steps are synchronous
     engine = LLMEngine(model, None, config)

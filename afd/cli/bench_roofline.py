@@ -5,9 +5,9 @@ The machine, measured by the command itself on torch's threads (both cores here)
 * **read bandwidth**: a reduction over a buffer far larger than the last-level cache (``torch.sum`` of float32:
   one load per 4 bytes, vectorised, on every thread), median of ``--runs``;
 * **GEMM peak per dtype**: the best large square matmul torch has for it (float32: MKL; bfloat16: oneDNN; int8:
-  oneDNN's, as ``torch._int_mm`` and as a quantised linear on a prepacked weight), sizes 1024-4096, median of ``--runs`` each, the best size kept. A dtype is marked
-  native where the CPU has the instructions for it (bfloat16: AVX512-BF16 or AMX-BF16; int8: VNNI or AMX-INT8);
-  elsewhere its peak is an emulation's.
+  oneDNN's, as ``torch._int_mm`` and as a quantised linear on a prepacked weight), sizes 1024-4096, median of
+  ``--runs`` each, the best size kept. A dtype is marked native where the CPU has the instructions for it
+  (bfloat16: AVX512-BF16 or AMX-BF16; int8: VNNI or AMX-INT8); elsewhere its peak is an emulation's.
 
 The model (a checkpoint, the built-in one, or a synthetic DeepSeek-V2-Lite/V3-shaped one, as ``afd bench generate``):
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from afd.cli.bench_models import add_model_args, load_for_bench, make_engine
+from afd.cli.bench_models import add_model_args, kv_bytes_per_token, load_for_bench, make_engine
 from afd.cli.common import print_table
 
 
@@ -151,11 +151,6 @@ class Counts:
         return 2.0 * (tokens * (self.per_token_values + self.moe_layers * self.routed_values) + sequences * self.lm_head_values)
 
 
-def _kv_bytes_per_token(model) -> int:
-    dtype = model.model.embed_tokens.weight.dtype
-    return sum(torch.Size(s).numel() for s in model.kv_layout()) * model.config.num_layers * dtype.itemsize
-
-
 def _engine(model, num_seqs: int, prompt_len: int, new_tokens: int):
     return make_engine(model, num_seqs, prompt_len, new_tokens, "cpu", seed=0)
 
@@ -164,7 +159,7 @@ def decode(model, counts: Counts, batch: int, context: int, steps: int, bandwidt
     engine = _engine(model, batch, context, steps + 3)
     engine.step()  # the prefill
     engine.step(), engine.step()  # untimed
-    per_token = _kv_bytes_per_token(model)
+    per_token = kv_bytes_per_token(model)
     times, weights, kv = [], [], []
     for i in range(steps):
         before = counts.snapshot()

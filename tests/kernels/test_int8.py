@@ -1,8 +1,8 @@
 """The native int8 GEMM (``int8_matmul``: AMX-INT8 tiles up to 256 rows, afd/kernels/csrc/int8_amx.cpp; AVX512-VNNI or
 AVX2 register tiles at decode sizes, int8_linear.cpp; the int8 weight read in place) against the int32 product in
 torch, exactly, through every set of tiles the CPU runs (an AMX CPU runs VNNI's and AVX2's too; a set it lacks is
-refused with an error, which the test checks instead); the fused W8A8 linear (``int8_linear``: quantise, GEMM, epilogue in one call) against its torch twin, bit
-for bit; and the W8A8 expert loop (``moe_experts_int8``) against GroupedExperts' Python loop."""
+refused with an error, which the test checks instead); the fused W8A8 linear (``int8_linear``: quantise, GEMM,
+epilogue in one call) against its torch twin, bit for bit; and the W8A8 expert loop (``moe_experts_int8``) against GroupedExperts' Python loop."""
 
 from __future__ import annotations
 
@@ -110,7 +110,8 @@ def int8_experts(num_experts=6, hidden=96, inter=40, bias=False, limit=None):
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-@pytest.mark.parametrize("bias, limit, hidden, inter", [(False, None, 96, 40), (True, 7.0, 96, 40), (False, None, 128, 64)])  # 128, 64: AMX's
+# hidden 128, inter 64: K a multiple of 64 and 32-row blocks, so AMX's tiles take the expert GEMMs where they run
+@pytest.mark.parametrize("bias, limit, hidden, inter", [(False, None, 96, 40), (True, 7.0, 96, 40), (False, None, 128, 64)])
 def test_the_native_w8a8_expert_loop_equals_the_python_loop(tokens, bias, limit, hidden, inter):
     """Per (token, slot) row the two loops compute the same ops, in float32 here; they differ in the order of the sum
     over slots and in libm's exp against torch's silu (which could round an activation onto the other side of a

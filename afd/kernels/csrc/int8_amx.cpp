@@ -8,10 +8,10 @@
 // (q W^T)^T, written back transposed. Signed by signed: no bias trick, no row sums.
 //
 // Work is split over torch's threads by blocks of 32 W rows (two A tiles); each block meets every 16- or 32-row
-// block of q (256 x K bytes packed at most: in L2) while it is in L2, so W is read from memory once per call. Tile registers: 2 A, 1-2 B
-// and 2-4 C (at most 8). Where the tiles cannot run (no AMX-INT8 compiled, the OS refuses the tile state, K not a
-// multiple of 64, more than 256 rows), int8_gemm_amx returns false and the caller takes its other path; W rows past the last whole
-// block of 32 are summed by a plain loop.
+// block of q (256 x K bytes packed at most: in L2) while it is in L1/L2, so W is read from memory once per call.
+// Tile registers: 2 A, 1-2 B and 2-4 C (at most 8). Where the tiles cannot run (no AMX-INT8 compiled, the OS
+// refuses the tile state, K not a multiple of 64, more than 256 rows), int8_gemm_amx returns false and the caller
+// takes its other path; W rows past the last whole block of 32 are summed by a plain loop.
 
 #include "int8_linear.h"
 

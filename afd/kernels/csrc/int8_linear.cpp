@@ -12,10 +12,10 @@
 //   widened to int16 instead (q once per call, W per load) and VPMADDWD sums pairs into int32, exactly: 16 bytes
 //   of W a load, half VNNI's rate, still faster than the stream of weights at decode sizes.
 //
-// Both are exact (as torch._int_mm). Where the CPU has AMX-INT8, int8_amx.cpp's tiles take every size first. ``int8_linear`` adds W8A8's two other steps around the GEMM in the same call:
-// each row quantised per token, and the epilogue y = acc * s_x * s_w (+ b), op for op as afd/models/int8.py's
-// int8_linear, so bit for bit its result. Work is split over torch's threads by blocks of W rows; tails of K are
-// masked loads (VNNI) or a scalar loop (AVX2).
+// Both are exact (as torch._int_mm). Where the CPU has AMX-INT8, int8_amx.cpp's tiles take 5-256 rows (int8_gemm).
+// ``int8_linear`` adds W8A8's two other steps around the GEMM in the same call: each row quantised per token, and
+// the epilogue y = acc * s_x * s_w (+ b), op for op as afd/models/int8.py's int8_linear, so bit for bit its result.
+// Work is split over torch's threads by blocks of W rows; tails of K are masked loads (VNNI) or a scalar loop (AVX2).
 
 #include "int8_linear.h"
 
@@ -248,7 +248,8 @@ at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& weight, const c10:
               "int8_matmul: int8 q [M, K] and weight [N, K]");
   if (!q.device().is_cpu()) return at::_int_mm(q, weight.t());
   const Int8Path p = path == "best" ? Int8Path::kBest : path == "amx" ? Int8Path::kAmx : path == "vnni" ? Int8Path::kVnni
-                     : path == "avx2" ? Int8Path::kAvx2 : throw std::invalid_argument("int8_matmul: path is best, amx, vnni or avx2, not " + path);
+                     : path == "avx2" ? Int8Path::kAvx2
+                                      : throw std::invalid_argument("int8_matmul: path is best, amx, vnni or avx2, not " + path);
   TORCH_CHECK(int8_path_runs(p), "int8_matmul: the ", path, " tiles do not run here (int8_tiles: ", int8_tiles(), ")");
   const at::Tensor bias = row_bias.has_value() ? row_bias->contiguous() : at::Tensor();
   TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kInt && bias.numel() == weight.size(0)), "int8_matmul: row_bias [N] int32");

@@ -33,8 +33,6 @@ at::Tensor gdn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 at::Tensor int8_matmul(const at::Tensor& q, const at::Tensor& weight, const c10::optional<at::Tensor>& row_bias, const std::string& path);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale, const c10::optional<at::Tensor>& bias,
                        const c10::optional<at::Tensor>& row_bias);
-const char* int8_tiles();
-bool int8_needs_row_bias();
 
 std::tuple<at::Tensor, at::Tensor> moe_experts_int8(const at::Tensor& x, const c10::optional<at::Tensor>& q,
                                                     const c10::optional<at::Tensor>& q_scale, const at::Tensor& local_ids,
