@@ -13,7 +13,7 @@ import httpx
 
 from afd.cli.common import BUILTIN_MODEL
 from afd.serving.spawn import ServerProcess
-from tests.support import run_processes
+from tests.support import run_processes, wait_for
 
 MODEL_NAME = BUILTIN_MODEL.name
 
@@ -45,8 +45,9 @@ class Server(ServerProcess):
         assert samples, f"metric {name} not exported"
         return sum(float(line.rsplit(" ", 1)[1]) for line in samples)
 
-    def stream_text(self, payload: dict) -> tuple[str, str]:
-        """One streaming completion: (outcome, text); outcome is done, ``error: ...``, ``status N`` or ``cut: ...``."""
+    def stream_text(self, payload: dict, chunks: list[int] | None = None, index: int = 0) -> tuple[str, str]:
+        """One streaming completion: (outcome, text); outcome is done, ``error: ...``, ``status N`` or ``cut: ...``.
+        ``chunks[index]`` counts the text chunks received so far (for a caller waiting on this stream)."""
         text, outcome = [], "cut"
         try:
             with httpx.stream("POST", self.url + "/v1/completions", json=payload, timeout=120) as r:
@@ -60,21 +61,22 @@ class Server(ServerProcess):
                             outcome = "error: " + event["error"]["message"]
                         else:
                             text.append(event["choices"][0]["text"])
+                            if chunks is not None:
+                                chunks[index] += 1
         except httpx.HTTPError as e:
             outcome = f"cut: {type(e).__name__}"
         return outcome, "".join(text)
 
     def streams(self, payloads: list[dict], fault=None) -> dict[int, tuple[str, str]]:
-        """Every payload streamed at once; ``fault()`` once each stream has produced a few tokens (under load)."""
+        """Every payload streamed at once; ``fault()`` once each stream has received a few chunks (under load:
+        counted per stream, since a total can be reached by the first streams before the last one starts)."""
         out: dict = {}
-        before = self.metric("afd_generation_tokens_total", wait=0)
-        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, self.stream_text(payloads[i]))) for i in range(len(payloads))]
+        chunks = [0] * len(payloads)
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, self.stream_text(payloads[i], chunks, i))) for i in range(len(payloads))]
         for t in threads:
             t.start()
         if fault is not None:
-            deadline = time.monotonic() + 60
-            while self.metric("afd_generation_tokens_total", wait=0) - before < 4 * len(payloads) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(lambda: all(c >= 4 or i in out for i, c in enumerate(chunks)), 60, "every stream producing tokens (or done)")
             fault()
         for t in threads:
             t.join(120)
