@@ -15,7 +15,8 @@ The model (a checkpoint, the built-in one, or a synthetic DeepSeek-V2-Lite/V3-sh
   but the embedding table and the routed experts (which every step reads whole: attention, dense and shared MLPs,
   routers, norms, the LM head); the routed experts the step's tokens touched (counted per step from the experts'
   own counters, ``GroupedExperts.tokens_routed``); the KV cache each sequence attends over (its context x the
-  bytes a token holds). Achieved fraction = bytes / step time / read bandwidth; medians over the decode steps.
+  bytes a token holds). Achieved fraction = bytes / step time / the read bandwidth a probe measured just before
+  that step (each step has its own: a shared VM's bandwidth moves between minutes); medians over the decode steps.
 * **prefill** of each ``--prefill-tokens`` M (sequences of ``--prefill-len``, one step): the FLOPs of the linear
   layers, 2 x rows x in x out for every weight the tokens pass (attention's, the dense MLP's, shared experts', the
   router's, top-k routed experts' per token, the LM head's for one row per sequence). Attention's own T^2 term
@@ -82,10 +83,21 @@ def _median_s(fn, runs: int) -> float:
     return statistics.median(times)
 
 
-def read_bandwidth(mib: int, runs: int) -> float:
-    """Bytes/s of a vectorised read over ``mib`` MiB on torch's threads."""
-    buf = torch.ones(mib << 18)  # float32: mib MiB
-    return buf.numel() * 4 / _median_s(buf.sum, runs)
+class ReadProbe:
+    """Bytes/s of a vectorised read over ``mib`` MiB on torch's threads (a buffer larger than the last-level cache:
+    it also leaves no weights cached for the step timed after it)."""
+
+    def __init__(self, mib: int) -> None:
+        self.buf = torch.ones(mib << 18)  # float32: mib MiB
+
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        self.buf.sum()
+        return self.buf.numel() * 4 / (time.perf_counter() - t0)
+
+    def median(self, runs: int) -> float:
+        self.once()  # warm-up
+        return statistics.median(self.once() for _ in range(runs))
 
 
 def gemm_peak(dtype: str, runs: int, sizes: list[int]) -> tuple[float, int]:
@@ -155,14 +167,17 @@ def _engine(model, num_seqs: int, prompt_len: int, new_tokens: int):
     return make_engine(model, num_seqs, prompt_len, new_tokens, "cpu", seed=0)
 
 
-def decode(model, counts: Counts, batch: int, context: int, steps: int, bandwidth: float) -> dict:
+def decode(model, counts: Counts, batch: int, context: int, steps: int, probe: ReadProbe) -> dict:
+    """Each timed step right after a read probe of its own: its fraction is against the bandwidth of that moment
+    (a shared VM's bandwidth moves by 20 % within minutes), and no weight is left in the cache for it."""
     engine = _engine(model, batch, context, steps + 3)
     engine.step()  # the prefill
     engine.step(), engine.step()  # untimed
     per_token = kv_bytes_per_token(model)
-    times, weights, kv = [], [], []
+    times, weights, kv, bandwidths = [], [], [], []
     for i in range(steps):
         before = counts.snapshot()
+        bandwidths.append(probe.once())
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
@@ -170,9 +185,10 @@ def decode(model, counts: Counts, batch: int, context: int, steps: int, bandwidt
         kv.append(batch * (context + 3 + i) * per_token)
     while engine.has_unfinished():
         engine.step()
-    fractions = [(w + k) / t / bandwidth for w, k, t in zip(weights, kv, times)]
+    fractions = [(w + k) / t / bw for w, k, t, bw in zip(weights, kv, times, bandwidths)]
     return {"batch": batch, "weight_bytes": statistics.median(weights), "kv_bytes": statistics.median(kv),
             "step_s": statistics.median(times), "fraction": statistics.median(fractions),
+            "bandwidth_gb_s": statistics.median(bandwidths) / 1e9,
             "gb_s": statistics.median([(w + k) / t for w, k, t in zip(weights, kv, times)]) / 1e9}
 
 
@@ -204,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
     flags = cpu_features()
     native = native_dtypes(flags)
     print(f"machine: {instruction_sets(flags)}; torch threads {torch.get_num_threads()}", file=sys.stderr, flush=True)
-    bandwidth = read_bandwidth(args.bandwidth_mib, args.runs)
+    probe = ReadProbe(args.bandwidth_mib)
+    bandwidth = probe.median(args.runs)
     peaks = {d: gemm_peak(d, args.runs, args.gemm_sizes) for d in native}
     print_table([("machine", "measured", "native"),
                  ("read bandwidth", f"{bandwidth / 1e9:.1f} GB/s", "-"),
@@ -214,17 +231,17 @@ def run(args: argparse.Namespace) -> int:
     dtype = compute_dtype(model)
     print(f"model: {label}; compute dtype {dtype}; weights read every step {counts.always_bytes / 1e6:.0f} MB, "
           f"a routed expert {max(counts.expert_bytes, default=0) / 1e6:.1f} MB", file=sys.stderr, flush=True)
-    decodes = [decode(model, counts, b, args.context, args.steps, bandwidth) for b in args.batch]
+    decodes = [decode(model, counts, b, args.context, args.steps, probe) for b in args.batch]
     prefills = [prefill(model, counts, m, args.prefill_len, args.runs, peaks[dtype][0]) for m in args.prefill_tokens]
     if decodes:
-        print_table([("decode batch", "weights MB", "KV MB", "step ms", "GB/s", "of bandwidth"),
+        print_table([("decode batch", "weights MB", "KV MB", "step ms", "GB/s", "probe GB/s", "of bandwidth"),
                      *[(str(d["batch"]), f"{d['weight_bytes'] / 1e6:.0f}", f"{d['kv_bytes'] / 1e6:.1f}", f"{1e3 * d['step_s']:.1f}",
-                        f"{d['gb_s']:.1f}", f"{d['fraction']:.2f}x") for d in decodes]])
+                        f"{d['gb_s']:.1f}", f"{d['bandwidth_gb_s']:.1f}", f"{d['fraction']:.2f}x") for d in decodes]])
     if prefills:
         print_table([("prefill tokens", "GFLOP", "step s", "GFLOP/s", f"of {dtype} peak"),
                      *[(f"{p['tokens']} ({p['sequences']} seq)", f"{p['gflop']:.1f}", f"{p['step_s']:.3f}", f"{p['gflop_s']:.0f}",
                         f"{p['fraction']:.2f}x") for p in prefills]])
-    parts = [f"decode b={d['batch']} {d['fraction']:.2f}x of {bandwidth / 1e9:.1f} GB/s" for d in decodes]
+    parts = [f"decode b={d['batch']} {d['fraction']:.2f}x of {d['bandwidth_gb_s']:.1f} GB/s" for d in decodes]
     parts += [f"prefill {p['tokens']} {p['fraction']:.2f}x of {peaks[dtype][0] / 1e9:.0f} GFLOP/s ({dtype})" for p in prefills]
     print(f"summary: {label} ({instruction_sets(flags)}): " + "; ".join(parts))
     if args.json_out:
