@@ -521,6 +521,24 @@ def run_processes(run_id: str) -> dict[int, str]:
     return found
 
 
+def cpu_flags() -> set[str]:
+    from afd.kernels import _cpu_flags
+
+    return set(_cpu_flags().split())
+
+
+def amx_granted() -> bool:
+    """Whether Linux lets this process use the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, x86-64 syscall 158):
+    asked here apart from the kernels, since a CPU with AMX under an older kernel or a sandbox runs without it."""
+    import ctypes
+    import platform
+
+    if platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(158, 0x1023, 18) == 0
+
+
 def expected_simd() -> str:
     """The register tiles afd/kernels must have built on this CPU, read from its flags (not from the build):
     "avx512" (F, BW, VL), "avx2" (with FMA and F16C) or "none"."""

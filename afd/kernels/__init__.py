@@ -50,7 +50,7 @@ from afd import env
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("ops.cpp", "paged_decode.cpp", "moe_experts.cpp", "norm_rope.cpp", "small_linear.cpp",
-                                                                        "gated_deltanet.cpp", "int8_linear.cpp", "int8_amx.cpp"))
+                                                                        "gated_deltanet.cpp", "int8_linear.cpp", "amx.cpp"))
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("simd.h", "small_linear.h", "int8_linear.h"))
 #: -march=native: the library is built on the machine that runs it; OpenMP's simd pragmas vectorize the
 #: reductions without -ffast-math (the order of a dot product's sum changes, nothing else); -fopenmp makes
@@ -128,7 +128,8 @@ def ops() -> ModuleType | None:
     except Exception as exc:  # no compiler, no ninja, a compile error: the pure-torch paths still serve
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         # the compiler's first complaint, if it was one, before any other line that names an error
-        errors = [line for line in lines if ": error:" in line] + [line for line in lines if "error" in line.lower()]
+        # (the compiler's "file:line: error:", the assembler's "file:line: Error:")
+        errors = [line for line in lines if ": error:" in line.lower()] + [line for line in lines if "error" in line.lower()]
         log.warning("afd's CPU kernels could not be built, so the pure-torch paths run (slower decode attention and "
                     "experts): %s", errors[0] if errors else lines[-1])
         return None
@@ -142,6 +143,7 @@ def main() -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     built = ops()
-    print(f"afd kernels: {built.__name__} ({built.simd} register tiles, int8: {built.int8_tiles}) at {built.__file__}" if built is not None
+    print(f"afd kernels: {built.__name__} ({built.simd} register tiles, int8: {built.int8_tiles}, bf16: {built.bf16_tiles}) "
+          f"at {built.__file__}" if built is not None
           else "afd kernels: not built (see the warning above); the pure-torch paths will run")
     return 0

@@ -114,7 +114,7 @@ def kernel_row_bias(qweight: torch.Tensor) -> torch.Tensor | None:
 def int8_matmul(q: torch.Tensor, s: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype,
                 bias: torch.Tensor | None = None, row_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Already quantised activations (int8 [T, K], scales [T, 1]) times ``qweight`` [N, K] -> [T, N] in ``dtype``: the
-    int32 product from afd's int8 tiles (afd/kernels/csrc: AMX-INT8 at 5-256 rows, int8_amx.cpp; AVX512-VNNI or AVX2 at
+    int32 product from afd's int8 tiles (afd/kernels/csrc: AMX-INT8 at 5-256 rows, amx.cpp; AVX512-VNNI or AVX2 at
     decode sizes, int8_linear.cpp), else oneDNN's (``torch._int_mm``)."""
     if q.shape[0] == 0:
         return torch.zeros(0, qweight.shape[0], dtype=dtype, device=q.device)

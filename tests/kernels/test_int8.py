@@ -1,4 +1,4 @@
-"""The native int8 GEMM (``int8_matmul``: AMX-INT8 tiles up to 256 rows, afd/kernels/csrc/int8_amx.cpp; AVX512-VNNI or
+"""The native int8 GEMM (``int8_matmul``: AMX-INT8 tiles up to 256 rows, afd/kernels/csrc/amx.cpp; AVX512-VNNI or
 AVX2 register tiles at decode sizes, int8_linear.cpp; the int8 weight read in place) against the int32 product in
 torch, exactly, through every set of tiles the CPU runs (an AMX CPU runs VNNI's and AVX2's too; a set it lacks is
 refused with an error, which the test checks instead); the fused W8A8 linear (``int8_linear``: quantise, GEMM,
@@ -11,23 +11,10 @@ import torch
 
 from afd.kernels import ops as native_ops
 from afd.models import int8
-
-
-
-def _amx_granted() -> bool:
-    """Whether Linux lets this process use the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, x86-64 syscall 158):
-    asked here apart from the kernels, since a CPU with AMX under an older kernel or a sandbox runs without it."""
-    import ctypes
-    import platform
-
-    if platform.machine() != "x86_64":
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.syscall(158, 0x1023, 18) == 0
-
+from tests import support
 
 FLAGS = set(open("/proc/cpuinfo").read().split())
-if not _amx_granted():
+if not support.amx_granted():
     FLAGS -= {"amx_int8", "amx_tile"}
 #: the tiles each path needs, as /proc/cpuinfo names the CPU's sets (AMX's only where the OS grants its state)
 PATHS = {"amx": {"amx_int8", "amx_tile"}, "vnni": {"avx512_vnni", "avx512bw"}, "avx2": {"avx2"}}

@@ -74,3 +74,51 @@ def test_a_models_decode_size_projections_run_the_native_linear(monkeypatch):
     mlp(torch.randn(kernels.small_linear_max_rows + 1, 32))
     assert calls == []
     assert isinstance(mlp.gate_proj, torch.nn.Linear) and isinstance(mlp.gate_proj, Linear)  # loaders see nn.Linear
+
+
+def _amx_bf16_expected() -> bool:
+    return "amx_bf16" in support.cpu_flags() and support.amx_granted()
+
+
+def test_amx_bf16_tiles_are_built_where_the_cpu_and_the_os_allow_them():
+    assert native_ops().bf16_tiles == ("amx_bf16" if _amx_bf16_expected() else "none")
+    want = 128 if _amx_bf16_expected() else (native_ops().small_linear_max_half_rows if native_ops().simd != "none" else 0)
+    assert native_ops().small_linear_max_bf16_rows == want
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 100, 128])  # one or two B tiles, a partial last one
+@pytest.mark.parametrize("n, k", [(64, 32), (100, 256), (96, 2048)])  # W rows past the last block of 32 (100)
+def test_amx_bf16_product_is_the_float32_sum_of_exact_products(rows, n, k):
+    """bf16 x bf16 products are exact in float32: the tiles' sums differ from float64's by float32 rounding only."""
+    if not _amx_bf16_expected():
+        with pytest.raises(RuntimeError, match="no AMX-BF16"):
+            native_ops().bf16_matmul_amx(torch.ones(rows, k, dtype=torch.bfloat16), torch.ones(n, k, dtype=torch.bfloat16))
+        return
+    gen = torch.Generator().manual_seed(rows * 7 + n)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    exact = x.double() @ w.double().t()
+    got = native_ops().bf16_matmul_amx(x, w)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    bound = 4 * k * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().t())  # |sum error| <= k eps sum|ab|
+    assert ((got.double() - exact).abs() <= bound).all()
+    with pytest.raises(RuntimeError, match="take"):
+        native_ops().bf16_matmul_amx(torch.ones(129, k, dtype=torch.bfloat16), w)  # past 128 rows: the caller's other path
+
+
+def test_prefill_sized_bf16_linears_and_experts_take_the_amx_tiles(monkeypatch):
+    """Where AMX-BF16 runs, a 48-row bf16 projection (a prefill's rows of one expert) goes to the native linear, and
+    its result is the tiles' float32 product rounded once to bf16."""
+    kernels = native_ops()
+    if not _amx_bf16_expected():
+        assert kernels.small_linear_max_bf16_rows < 48 or native_ops().simd == "avx2"
+        return
+    calls: list[int] = []
+    real = kernels.linear
+    monkeypatch.setattr(kernels, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b))
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(48, 256, generator=gen).to(torch.bfloat16)
+    w = torch.randn(96, 256, generator=gen).to(torch.bfloat16)
+    got = linear(x, w)
+    assert calls == [48]
+    assert torch.equal(got, kernels.bf16_matmul_amx(x, w).to(torch.bfloat16))

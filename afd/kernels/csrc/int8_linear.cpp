@@ -12,7 +12,7 @@
 //   widened to int16 instead (q once per call, W per load) and VPMADDWD sums pairs into int32, exactly: 16 bytes
 //   of W a load, half VNNI's rate, still faster than the stream of weights at decode sizes.
 //
-// Both are exact (as torch._int_mm). Where the CPU has AMX-INT8, int8_amx.cpp's tiles take 5-256 rows (int8_gemm).
+// Both are exact (as torch._int_mm). Where the CPU has AMX-INT8, amx.cpp's tiles take 5-256 rows (int8_gemm).
 // ``int8_linear`` adds W8A8's two other steps around the GEMM in the same call: each row quantised per token, and
 // the epilogue y = acc * s_x * s_w (+ b), op for op as afd/models/int8.py's int8_linear, so bit for bit its result.
 // Work is split over torch's threads by blocks of W rows; tails of K are masked loads (VNNI) or a scalar loop (AVX2).
@@ -40,7 +40,7 @@ namespace {
 constexpr int64_t kMaxRows = 16;  // measured: 1.5-2x torch._int_mm at 4-16 rows, 0.75x at 32 (afd bench kernels)
 constexpr int64_t kPrefetchRows = 32;
 // where AMX-INT8 runs too, the VNNI tiles still take up to 4 rows: 0.7x AMX's time at 1-4 rows, 1.2x at 8
-// (2816 x 2048 and 2048 x 1408, weights from memory; int8_amx.cpp)
+// (2816 x 2048 and 2048 x 1408, weights from memory; amx.cpp)
 constexpr int64_t kVnniFirstRows = 4;
 
 #if defined(AFD_VNNI)

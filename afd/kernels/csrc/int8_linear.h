@@ -24,7 +24,7 @@ const char* int8_tiles();
 // do not take).
 bool int8_needs_row_bias();
 
-// int8_amx.cpp
+// amx.cpp
 bool amx_int8_usable();
 bool int8_gemm_amx(const int8_t* q, int64_t rows, int64_t k_len, const int8_t* w, int64_t n_len, int32_t* out);
 

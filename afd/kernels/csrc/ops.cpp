@@ -51,13 +51,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dsa_index_topk", &dsa_index_topk, "DeepSeek Sparse Attention's indexer at decode, read in place (paged_decode.cpp)");
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass, the Hugging Face dtype rules (norm_rope.cpp)");
   m.def("rotary", &rotary, "rotary embedding in one pass, interleaved or halves (norm_rope.cpp)");
-  m.def("linear", &small_linear, "y = x W^T + b; a few rows of x read W once in place (small_linear.cpp), more go to at::linear",
+  m.def("linear", &small_linear, "y = x W^T + b; a few rows of x read W once in place (small_linear.cpp), bf16 up to 128 rows on AMX-BF16 tiles "
+        "(amx.cpp), more go to at::linear",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
   m.attr("small_linear_vectorized") = pybind11::bool_(small_linear_vectorized());
   m.attr("small_linear_max_rows") = pybind11::int_(small_linear_max_rows());
   m.attr("small_linear_max_half_rows") = pybind11::int_(small_linear_max_half_rows());
+  // the most bfloat16 rows `linear` computes itself: the register tiles', or AMX-BF16's 128 where the OS grants them
+  m.attr("small_linear_max_bf16_rows") = pybind11::int_(small_linear_max_bf16_rows());
+  m.def("bf16_matmul_amx", &bf16_matmul_amx, "bf16 x [M, K] . W [N, K]^T -> float32 on AMX-BF16 tiles, W read in place "
+        "(amx.cpp; an error where they do not run or take the shape)");
+  m.attr("bf16_tiles") = pybind11::str(amx_bf16_usable() ? "amx_bf16" : "none");
   m.def("int8_matmul", &int8_matmul, "int8 q [M, K] . int8 W [N, K]^T -> int32, W read in place: AMX-INT8 tiles at 5-256 rows "
-        "(int8_amx.cpp), else a few rows in VNNI or AVX2 register tiles (int8_linear.cpp), more to torch._int_mm; path: best, "
+        "(amx.cpp), else a few rows in VNNI or AVX2 register tiles (int8_linear.cpp), more to torch._int_mm; path: best, "
         "or amx, vnni, avx2 forced (an error where it does not run)",
         pybind11::arg("q"), pybind11::arg("weight"), pybind11::arg("row_bias") = pybind11::none(), pybind11::arg("path") = "best");
   m.def("int8_linear", &int8_linear, "W8A8 y = dequant(quant_per_token(x) . W^T) (+ b) in one call (int8_linear.cpp)",
