@@ -21,7 +21,7 @@ from afd.config import ModelConfig
 from afd.kvcache import AttentionMetadata
 from afd.models.base import MoEModel
 from afd.models.layers import Linear, RMSNorm, RotaryEmbedding
-from afd.models.paged_attention import decode_attention, gather, prefill_attention
+from afd.models.paged_attention import causal_attention, decode_attention, fresh_groups, fresh_rows, gather, prefill_attention
 from afd.models.sparse_attention import STATE_KEY, Indexer, Selection, gathered
 
 
@@ -85,7 +85,17 @@ class MLAttention(nn.Module):
             # W_UV on the left: its rows are read as they lie in kv_b_proj (out_latent @ W_UV^T had bf16's bmm
             # copy the transposed weight every call: 0.63 vs 0.10 ms a layer at V2-Lite's shapes)
             out[rows] = torch.bmm(w_uv, out_latent.transpose(0, 1).transpose(1, 2)).permute(2, 0, 1).to(out.dtype)  # [D, nh, dv]
-        for n, chunk in enumerate(meta.prefills):
+        groups, rest = fresh_groups(meta.prefills) if selection is None else ([], range(len(meta.prefills)))
+        for group in groups:  # prompts that start their sequence, of one length: decompressed and attended together
+            rows, g = fresh_rows(meta.prefills, group, x.device), len(group)
+            ctx = gather(cache, torch.cat([meta.prefills[n].slots for n in group]))  # [G L, R + dr]
+            k_nope, value = self._decompress(ctx)
+            key = torch.cat((k_nope, ctx[:, None, mla.kv_lora_rank :].expand(-1, nh, -1)), dim=-1)  # [G L, nh, dn + dr]
+            query = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)
+            batched = (y.view(g, -1, nh, y.shape[-1]) for y in (query, key, value))  # [G, L, nh, *]
+            out[rows] = causal_attention(*batched, self.scale).flatten(0, 1).to(out.dtype)
+        for n in rest:
+            chunk = meta.prefills[n]
             rows = slice(chunk.row, chunk.row + chunk.length)
             ctx = gather(cache, chunk.slots)  # [L, R + dr]
             mask = None if selection is None else selection.prefill[n]
@@ -95,12 +105,18 @@ class MLAttention(nn.Module):
                                                mask=mask)
                 out[rows] = torch.einsum("thr,hvr->thv", out_latent, w_uv).to(out.dtype)
             else:  # decompress the context's keys and values once, attend per head at head dim dn + dr
-                k_nope, value = self.kv_b_proj(ctx[:, : mla.kv_lora_rank]).view(-1, nh, mla.qk_nope_head_dim + mla.v_head_dim).split(
-                    [mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)  # [L, nh, dn], [L, nh, dv]
+                k_nope, value = self._decompress(ctx)
                 key = torch.cat((k_nope, ctx[:, None, mla.kv_lora_rank :].expand(-1, nh, -1)), dim=-1)  # [L, nh, dn + dr]
                 query = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)  # [q, nh, dn + dr]
                 out[rows] = prefill_attention(query, key, value, chunk.start, self.scale, mask=mask).to(out.dtype)
         return self.o_proj(out.reshape(t, nh * mla.v_head_dim))
+
+    def _decompress(self, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached latents ``ctx`` [L, R + dr] -> each head's keys' no-position part [L, nh, dn] and values [L, nh, dv]."""
+        mla = self.mla
+        kv = self.kv_b_proj(ctx[:, : mla.kv_lora_rank]).view(-1, self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim)
+        k_nope, value = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        return k_nope, value
 
     def _select(self, x: torch.Tensor, q_latent: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
                 kv: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> Selection:

@@ -11,7 +11,7 @@ from afd.config import ModelConfig
 from afd.kvcache import AttentionMetadata
 from afd.models.base import MoEModel
 from afd.models.layers import Linear, RMSNorm, RotaryEmbedding
-from afd.models.paged_attention import decode_attention, gather, prefill_attention, window_start
+from afd.models.paged_attention import causal_attention, decode_attention, fresh_groups, fresh_rows, gather, prefill_attention, window_start
 
 
 def output_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,18 @@ class GQAttention(nn.Module):
         if pages is not None:
             rows = pages.rows
             out[rows] = decode_attention(q[rows], k_cache, v_cache, pages, self.scale, sinks=sinks)
-        for chunk in meta.prefills:
+        # prompts that start their sequence, of one length, together (not with sinks, nor past a window: masks of their own)
+        fits = (lambda chunk: sinks is None and (not self.window or chunk.length <= self.window))
+        groups, rest = fresh_groups(meta.prefills, fits)
+        for group in groups:
+            rows, g = fresh_rows(meta.prefills, group, x.device), len(group)
+            chunks = [meta.prefills[n] for n in group]
+            slots = torch.cat([c.window_slots if self.window and c.window_slots is not None else c.slots for c in chunks])
+            keys, values = gather(k_cache, slots), gather(v_cache, slots)  # [G L, nkv, d]
+            batched = (y.view(g, -1, *y.shape[1:]) for y in (q[rows], keys, values))
+            out[rows] = causal_attention(*batched, self.scale).flatten(0, 1).to(out.dtype)
+        for n in rest:
+            chunk = meta.prefills[n]
             rows = slice(chunk.row, chunk.row + chunk.length)
             first = window_start(chunk.start, self.window)  # a sliding layer reads the keys from its window on
             slots = chunk.window_slots if self.window and chunk.window_slots is not None else chunk.slots[first:]

@@ -236,3 +236,64 @@ def test_a_mixed_step_equals_one_by_one_runs(request, which):
     for i in range(4):
         report = compare_values(f"sequence {i}", run([i])[0], mixed[i])
         assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("hq, hk", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [13, pa.FRESH_MATMUL_TOKENS + 3])  # batched matmuls; the fused kernel per chunk
+def test_fresh_chunks_attended_together_equal_the_reference(hq, hk, dtype, length):
+    gen = torch.Generator().manual_seed(hq * 10 + hk)
+    g, d = 3, 16
+    q, k, v = (torch.randn(g, length, h, d, generator=gen).to(dtype) for h in (hq, hk, hk))
+    got = pa.causal_attention(q, k, v, 0.25)
+    assert got.shape == (g, length, hq, d) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i in range(g):
+        torch.testing.assert_close(got[i].double(), reference(q[i], k[i], v[i], 0, 0.25), atol=tol, rtol=tol)
+
+
+def test_fresh_groups_take_same_length_prompts_that_start_their_sequence(monkeypatch):
+    from afd.kvcache.metadata import PrefillChunk
+
+    def chunk(start, length):
+        return PrefillChunk(0, start, length, torch.arange(start + length))
+
+    prefills = [chunk(0, 8), chunk(0, 8), chunk(4, 8), chunk(0, 5), chunk(0, 8), chunk(0, 6), chunk(0, 6)]
+    assert pa.fresh_groups(prefills) == ([[0, 1, 4], [5, 6]], [2, 3])  # a cached prefix (2) and a lone length (3) alone
+    assert pa.fresh_groups(prefills, fits=lambda c: c.length != 6) == ([[0, 1, 4]], [2, 3, 5, 6])
+    monkeypatch.setattr(pa, "WORKSPACE_BYTES", 2 * 8 * 8 * 4)  # two chunks' [8, 8] scores
+    assert pa.fresh_groups(prefills)[0] == [[0, 1], [4], [5, 6]]
+
+
+@pytest.mark.parametrize("which", ["deepseek", "qwen"])
+def test_a_burst_of_new_prompts_is_attended_together_and_equals_one_by_one_runs(request, monkeypatch, which):
+    """Three new prompts of one length (one batched call a layer), a new prompt of another length, a chunk after
+    cached tokens and a decode in one step give each sequence the logits it gets alone."""
+    import importlib
+
+    model = request.getfixturevalue(which)
+    module = importlib.import_module(type(model.model.layers[0].self_attn).__module__)
+    calls = []
+    real = module.causal_attention
+    monkeypatch.setattr(module, "causal_attention", lambda q, *a: calls.append(q.shape[:2]) or real(q, *a))
+    gen = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (24, 24, 24, 10, 40, 30)]
+    new = [24, 24, 24, 10, 24, 1]
+    done = [n - k for n, k in zip(map(len, seqs), new)]
+
+    def run(which_seqs):
+        runner = ModelRunner(model, CacheConfig(block_size=BS, num_blocks=256))
+        blocks = BlockManager(256, BS)
+        for i in which_seqs:
+            if done[i]:
+                runner.execute(seqs[i][: done[i]], [SeqChunk(blocks.ensure(i, done[i]), 0, done[i])])
+        chunks = [SeqChunk(blocks.ensure(i, len(seqs[i])), done[i], new[i]) for i in which_seqs]
+        return runner.execute([t for i in which_seqs for t in seqs[i][done[i]:]], chunks)
+
+    burst = run(range(6))
+    assert calls == [(3, 24)] * model.config.num_layers  # the three fresh 24-token prompts, together, in every layer
+    calls.clear()
+    for i in range(6):
+        report = compare_values(f"sequence {i}", run([i])[0], burst[i])
+        assert report.ok, str(report)
+    assert calls == []  # alone, every prompt takes the per-chunk path
