@@ -180,19 +180,35 @@ def _print_aggregation(results: dict[str, dict], args, label: str) -> None:
 
 
 def _run_interleaved(model_dir: Path, args, pipelines: dict[str, PipelineConfig], prompts, forks) -> dict[str, dict]:
-    """Every split mode on one launch, one run of each per round after a warm-up of each: medians of step time."""
+    """Every split mode on one launch, one run of each per round after a warm-up of each: medians of step time.
+    The sync runs are traced: the attention rank's busy share b of a sync run gives the overlap's ideal for that
+    round, 1 / max(b, 1 - b) = (T_attn + T_rest) / max(T_attn, T_rest), T_rest being the FFN side's work and the
+    transfers the attention rank waits for."""
     times: dict[str, list[float]] = {name: [] for name in pipelines}
+    ideals: list[float] = []
     cluster, params = _cluster(model_dir, args, forks)
     with cluster:
         for pipeline in pipelines.values():
             generate(cluster, prompts, params, pipeline)  # warm-up
         for r in range(args.runs):
             for name, pipeline in pipelines.items():
+                traced = pipeline.mode == "sync"
+                if traced:
+                    cluster.request(0, SetTrace(True))
                 t0 = time.perf_counter()
                 generate(cluster, prompts, params, pipeline)
                 times[name].append(time.perf_counter() - t0)
+                if traced:
+                    events, _ = cluster.request(0, GetTrace())
+                    cluster.request(0, SetTrace(False))
+                    span = max(e.end for e in events) - min(e.start for e in events)
+                    busy = sum(e.end - e.start for e in events if e.action in ("attention", "dispatch")) / span
+                    ideals.append(1 / max(busy, 1 - busy))
             print(f"round {r}: " + ", ".join(f"{name} {t[-1]:.3f} s" for name, t in times.items()), file=sys.stderr)
-    return {name: {"step_s": statistics.median(t), "runs_s": t} for name, t in times.items()}
+    results = {name: {"step_s": statistics.median(t), "runs_s": t} for name, t in times.items()}
+    results["sync"]["ideal_speedup"] = statistics.median(ideals)
+    results["sync"]["ideal_by_round"] = ideals
+    return results
 
 
 def _fill_drain(events) -> float:
@@ -312,6 +328,12 @@ def run(args: argparse.Namespace) -> int:
           f"async m={args.num_microbatches} {s_ / a:.2f}x vs sync ({s_ / a_min:.2f}x keeping steps under "
           f"{args.num_microbatches} x {args.min_microbatch_tokens} tokens whole; {s_ / auto:.2f}x choosing m per step), "
           f"{mono / a:.2f}x vs monolithic")
+    if "ideal_speedup" in results["sync"]:
+        ideal = results["sync"]["ideal_speedup"]
+        per_round = [s / x for s, x in zip(results["sync"]["runs_s"], results[f"async m={args.num_microbatches}"]["runs_s"])]
+        print(f"overlap: async m={args.num_microbatches} / sync {s_ / a:.2f}x (rounds {', '.join(f'{x:.2f}' for x in per_round)}); "
+              f"ideal from the sync runs' traces {ideal:.2f}x (rounds {', '.join(f'{x:.2f}' for x in results['sync']['ideal_by_round'])}); "
+              f"the issue's bar 1 + 0.8 (ideal - 1) = {1 + 0.8 * (ideal - 1):.2f}x")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"model": label, "results": results, "args": vars(args) | {"func": None}}, indent=2, default=str))
     return 0
