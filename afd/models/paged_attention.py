@@ -45,9 +45,10 @@ from afd.kvcache import DecodePages
 #: the most bytes one attention op's temporaries take (scores of a prefill tile; a group of decode pages)
 WORKSPACE_BYTES = 32 << 20
 #: fresh chunks up to this length are attended together by batched float32 matmuls, longer ones by torch's fused
-#: kernel one at a time (:func:`causal_attention`; a prefill step of 64 prompts, one thread, against the per-chunk
-#: path: 16 tokens 1.39x; 128 tokens 0.90x by matmuls, 1.08x by the fused kernel after one batched decompression)
-FRESH_MATMUL_TOKENS = 64
+#: kernel one at a time (:func:`causal_attention`). A prefill step of the built-in-shaped MLA-576 model, bf16, one
+#: thread, ms (per-chunk path / matmuls / fused per chunk after one batched decompression): 64 x 16 tokens
+#: 68.0 / 45.6 / 50.6, 32 x 24: 53.0 / 40.2 / 42.1, 32 x 64: 103.7 / 105.0 / 95.8; 64 x 128: 443 / 496 / 410
+FRESH_MATMUL_TOKENS = 32
 
 
 def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -204,9 +205,9 @@ def fresh_rows(prefills, group: list[int], device) -> torch.Tensor:
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
     """Chunks of equal length L that start their sequences, together: q [G, L, Hq, Dk], keys [G, L, Hk, Dk],
     values [G, L, Hk, Dv]; query i sees keys 0..i of its own chunk. -> [G, L, Hq, Dv]. Up to ``FRESH_MATMUL_TOKENS``
-    tokens, batched matmuls in float32, chunks taken so that their scores stay within ``WORKSPACE_BYTES`` (1.4-2x
-    torch's fused kernel called per chunk there, 2-4x it called on the batch: one thread, 32 chunks x 64 tokens x
-    4 heads); longer chunks, the fused kernel a chunk at a time."""
+    tokens, batched matmuls in float32, chunks taken so that their scores stay within ``WORKSPACE_BYTES`` (torch's
+    fused kernel on the whole batch was 1.4x slower than on each chunk, at 64 tokens); longer chunks, the fused
+    kernel a chunk at a time."""
     g, length, hq, _ = q.shape
     hk = keys.shape[2]
     if length > FRESH_MATMUL_TOKENS:  # torch's fused kernel, a chunk at a time
