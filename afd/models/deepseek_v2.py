@@ -88,9 +88,7 @@ class MLAttention(nn.Module):
         groups, rest = fresh_groups(meta.prefills) if selection is None else ([], range(len(meta.prefills)))
         for group in groups:  # prompts that start their sequence, of one length: decompressed and attended together
             rows, g = fresh_rows(meta.prefills, group, x.device), len(group)
-            ctx = gather(cache, torch.cat([meta.prefills[n].slots for n in group]))  # [G L, R + dr]
-            k_nope, value = self._decompress(ctx)
-            key = torch.cat((k_nope, ctx[:, None, mla.kv_lora_rank :].expand(-1, nh, -1)), dim=-1)  # [G L, nh, dn + dr]
+            key, value = self._decompress(gather(cache, torch.cat([meta.prefills[n].slots for n in group])))  # [G L, nh, *]
             query = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)
             batched = (y.view(g, -1, nh, y.shape[-1]) for y in (query, key, value))  # [G, L, nh, *]
             out[rows] = causal_attention(*batched, self.scale).flatten(0, 1).to(out.dtype)
@@ -105,18 +103,18 @@ class MLAttention(nn.Module):
                                                mask=mask)
                 out[rows] = torch.einsum("thr,hvr->thv", out_latent, w_uv).to(out.dtype)
             else:  # decompress the context's keys and values once, attend per head at head dim dn + dr
-                k_nope, value = self._decompress(ctx)
-                key = torch.cat((k_nope, ctx[:, None, mla.kv_lora_rank :].expand(-1, nh, -1)), dim=-1)  # [L, nh, dn + dr]
+                key, value = self._decompress(ctx)
                 query = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)  # [q, nh, dn + dr]
                 out[rows] = prefill_attention(query, key, value, chunk.start, self.scale, mask=mask).to(out.dtype)
         return self.o_proj(out.reshape(t, nh * mla.v_head_dim))
 
     def _decompress(self, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached latents ``ctx`` [L, R + dr] -> each head's keys' no-position part [L, nh, dn] and values [L, nh, dv]."""
-        mla = self.mla
-        kv = self.kv_b_proj(ctx[:, : mla.kv_lora_rank]).view(-1, self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim)
+        """Cached latents and rotated keys ``ctx`` [L, R + dr] -> each head's keys [L, nh, dn + dr] (the decompressed
+        part, then the shared rotated one) and values [L, nh, dv]."""
+        mla, nh = self.mla, self.num_heads
+        kv = self.kv_b_proj(ctx[:, : mla.kv_lora_rank]).view(-1, nh, mla.qk_nope_head_dim + mla.v_head_dim)
         k_nope, value = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
-        return k_nope, value
+        return torch.cat((k_nope, ctx[:, None, mla.kv_lora_rank :].expand(-1, nh, -1)), dim=-1), value
 
     def _select(self, x: torch.Tensor, q_latent: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
                 kv: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> Selection:

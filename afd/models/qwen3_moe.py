@@ -84,22 +84,27 @@ class GQAttention(nn.Module):
         groups, rest = fresh_groups(meta.prefills, fits)
         for group in groups:
             rows, g = fresh_rows(meta.prefills, group, x.device), len(group)
-            chunks = [meta.prefills[n] for n in group]
-            slots = torch.cat([c.window_slots if self.window and c.window_slots is not None else c.slots for c in chunks])
+            slots = torch.cat([self._key_slots(meta.prefills[n]) for n in group])
             keys, values = gather(k_cache, slots), gather(v_cache, slots)  # [G L, nkv, d]
             batched = (y.view(g, -1, *y.shape[1:]) for y in (q[rows], keys, values))
             out[rows] = causal_attention(*batched, self.scale).flatten(0, 1).to(out.dtype)
         for n in rest:
             chunk = meta.prefills[n]
             rows = slice(chunk.row, chunk.row + chunk.length)
-            first = window_start(chunk.start, self.window)  # a sliding layer reads the keys from its window on
-            slots = chunk.window_slots if self.window and chunk.window_slots is not None else chunk.slots[first:]
+            slots = self._key_slots(chunk)
             out[rows] = prefill_attention(q[rows], gather(k_cache, slots), gather(v_cache, slots), chunk.start, self.scale,
-                                          self.window, sinks, first)
+                                          self.window, sinks, window_start(chunk.start, self.window))
         out = out.reshape(t, self.num_heads * d)
         if gate is not None:
             out = output_gate(out, gate.reshape(t, self.num_heads * d))
         return self.o_proj(out)
+
+    def _key_slots(self, chunk) -> torch.Tensor:
+        """The cache slots of the keys a prefill chunk reads: a sliding layer's from its window on (its own pool's,
+        where it has one)."""
+        if self.window and chunk.window_slots is not None:
+            return chunk.window_slots
+        return chunk.slots[window_start(chunk.start, self.window):]
 
 
 class Qwen3MoeModel(MoEModel):

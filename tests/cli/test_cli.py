@@ -178,6 +178,9 @@ def test_bench_pipeline_and_connector_report_consistent_figures(tmp_path):
     results = json.loads(out.read_text())["results"]
     split = {name: r for name, r in results.items() if name != "monolithic (2 threads)"}
     assert len(split) == 4 and all(len(r["runs_s"]) == 2 and r["step_s"] == pytest.approx(sum(r["runs_s"]) / 2) for r in split.values())
+    # the overlap's ideal from each round's traced sync run: 1 / max(b, 1 - b) lies in [1, 2]
+    ideals = results["sync"]["ideal_by_round"]
+    assert len(ideals) == 2 and all(1 <= i <= 2 for i in ideals) and results["sync"]["ideal_speedup"] == pytest.approx(sum(ideals) / 2)
 
     out = tmp_path / "connector.json"
     afd("bench", "connector", "--tokens", "1,64", "--iters", "5", "--hidden", "256", "--json", str(out))
@@ -264,3 +267,5 @@ def test_bench_roofline_measures_the_machine_and_the_model(checkpoints, tmp_path
     assert three["weight_bytes"] >= one["weight_bytes"] > 0 and three["kv_bytes"] > 2 * one["kv_bytes"]
     assert [p["tokens"] for p in data["prefill"]] == [32] and data["prefill"][0]["sequences"] == 2
     assert all(0 < x["fraction"] for x in data["decode"] + data["prefill"])
+    # each decode measured against the probes taken just before its steps, reported beside it
+    assert all(x["bandwidth_gb_s"] > 0 and 0.5 < x["fraction"] * x["bandwidth_gb_s"] / x["gb_s"] < 2 for x in data["decode"])

@@ -14,8 +14,9 @@
 // Work is split over torch's threads by blocks of 32 W rows (two A tiles); each block meets every 16- or 32-row
 // block of x (256 x K values packed at most: in L2) while it is in L1/L2, so W is read from memory once per call.
 // Tile registers: 2 A, 1-2 B and 2-4 C (at most 8). Where the tiles cannot run (not compiled for this CPU, the OS
-// refuses the tile state, K not a multiple of a tile row, more than 256 rows, 128 for bf16), the entry points return false and
-// the caller takes its other path; W rows past the last whole block of 32 are summed by a plain loop.
+// refuses the tile state, K not a multiple of a tile row, more than 256 rows, 128 for bf16), the entry points
+// return false and the caller takes its other path; W rows past the last whole block of 32 are summed by a plain
+// loop.
 
 #include "int8_linear.h"
 #include "small_linear.h"

@@ -207,34 +207,43 @@ int64_t small_linear_max_rows() { return kMaxRows; }
 
 int64_t small_linear_max_half_rows() { return kMaxHalfRows; }
 
-int64_t small_linear_max_bf16_rows() { return std::max(small_linear_takes(at::kBFloat16, 1) ? kMaxHalfRows : 0, amx_bf16_usable() ? amx_bf16_max_rows() : 0); }
+int64_t small_linear_max_bf16_rows() {
+  return std::max(small_linear_takes(at::kBFloat16, 1) ? kMaxHalfRows : 0, amx_bf16_usable() ? amx_bf16_max_rows() : 0);
+}
 
-// bfloat16 past the register tiles' rows on AMX-BF16 (amx.cpp), W read in place: oneDNN's bf16 linear (AMX here
-// too) reorders W into its blocked layout every call, which at prefill's per-expert sizes costs more than the
-// product; an undefined tensor where the tiles do not take the call.
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  const bool applies = x.device().is_cpu() && x.dim() == 2 && weight.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
-                       weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && x.size(1) == weight.size(1) &&
-                       (!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0)));
-  if (!applies) return at::Tensor();
+namespace {
+
+// x [M, K] . W [N, K]^T in float32 on AMX-BF16 (amx.cpp), both bfloat16 on the CPU, W contiguous and read in place;
+// an undefined tensor where the tiles do not take the call.
+at::Tensor amx_product(const at::Tensor& x, const at::Tensor& weight) {
+  if (!(x.device().is_cpu() && x.dim() == 2 && weight.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
+        weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && x.size(1) == weight.size(1)))
+    return at::Tensor();
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options().dtype(at::kFloat));
-  if (!bf16_gemm_amx(xc.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), weight.data_ptr<c10::BFloat16>(), weight.size(0),
-                     out.data_ptr<float>()))
-    return at::Tensor();
+  const bool taken = bf16_gemm_amx(xc.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), weight.data_ptr<c10::BFloat16>(),
+                                   weight.size(0), out.data_ptr<float>());
+  return taken ? out : at::Tensor();
+}
+
+// bfloat16 past the register tiles' rows: oneDNN's bf16 linear (AMX here too) reorders W into its blocked layout
+// every call, which at prefill's per-expert sizes costs more than the product.
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  if (bias.has_value() && !(bias->dim() == 1 && bias->size(0) == weight.size(0))) return at::Tensor();
+  at::Tensor out = amx_product(x, weight);
+  if (!out.defined()) return out;
   if (bias.has_value()) out.add_(bias->to(at::kFloat));
   return out.to(at::kBFloat16);
 }
+
+}  // namespace
 
 at::Tensor bf16_matmul_amx(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(amx_bf16_usable(), "bf16_matmul_amx: no AMX-BF16 tiles here (not built for this CPU, or the OS refuses their state)");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
                   x.size(1) == weight.size(1), "bf16_matmul_amx: x [M, K] and weight [N, K], both bfloat16");
-  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options().dtype(at::kFloat));
-  TORCH_CHECK(bf16_gemm_amx(xc.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), wc.data_ptr<c10::BFloat16>(), weight.size(0),
-                            out.data_ptr<float>()),
-              "bf16_matmul_amx: the tiles take 1-", amx_bf16_max_rows(), " rows, K a multiple of 32 and N >= 32");
+  const at::Tensor out = amx_product(x, weight.contiguous());
+  TORCH_CHECK(out.defined(), "bf16_matmul_amx: the tiles take 1-", amx_bf16_max_rows(), " rows, K a multiple of 32 and N >= 32");
   return out;
 }
 
