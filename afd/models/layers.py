@@ -24,12 +24,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``; on CPU a few rows (a decode step's) take afd's kernel, which streams the weight once in
     place instead of packing it per call (afd/kernels/csrc/small_linear.cpp; ``kernels.small_linear_max_rows``),
     and bfloat16 up to 128 rows AMX-BF16's tiles where the CPU has them (amx.cpp; ``small_linear_max_bf16_rows``).
+    Half-precision rows past those go to torch padded to ``kernels.linear_rows_bucket`` rows: oneDNN builds a kernel
+    for every new shape, which costs more than the product at a serving step's ever-new row counts.
     ``GroupedExperts.reference`` calls it as moe_experts.cpp does, so past decode sizes the two agree bit for bit."""
     if x.device.type == "cpu" and x.dim() == 2:
         kernels = native_ops()
-        if kernels is not None and x.shape[0] <= (kernels.small_linear_max_rows if x.dtype == torch.float32 else
-                                                  kernels.small_linear_max_bf16_rows if x.dtype == torch.bfloat16 else
-                                                  kernels.small_linear_max_half_rows):
+        if kernels is not None and (x.dtype != torch.float32 or x.shape[0] <= kernels.small_linear_max_rows):
             return kernels.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

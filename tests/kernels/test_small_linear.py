@@ -122,3 +122,34 @@ def test_prefill_sized_bf16_linears_and_experts_take_the_amx_tiles(monkeypatch):
     got = linear(x, w)
     assert calls == [48]
     assert torch.equal(got, kernels.bf16_matmul_amx(x, w).to(torch.bfloat16))
+
+
+def test_half_precision_row_counts_reach_onednn_in_few_shapes():
+    """oneDNN builds a kernel per new shape: past the native tiles, bf16/fp16 rows are padded to a bucket that is
+    never smaller, at most 25 % larger, and one of four sizes an octave (so a server's ever-new row counts are a
+    few dozen shapes, each built once)."""
+    bucket = native_ops().linear_rows_bucket
+    sizes = [bucket(m) for m in range(1, 8193)]
+    assert all(m <= b <= max(m, 1.25 * m) for m, b in zip(range(1, 8193), sizes))
+    assert sizes[:16] == list(range(1, 17))
+    assert len(set(sizes)) <= 16 + 4 * 9  # 16 exact, then four an octave from 16 to 8192
+    assert all(bucket(b) == b for b in sizes)  # a bucket is its own bucket
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [129, 200, 333])
+def test_half_precision_rows_past_the_tiles_are_padded_and_equal_f_linear(monkeypatch, dtype, rows):
+    """``linear`` sends every half-precision row count to the native op; past its tiles the op calls torch with the
+    rows padded and returns the input's rows, as close to float64 as F.linear of them alone."""
+    kernels = native_ops()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=gen).to(dtype)
+    w = (torch.randn(48, 64, generator=gen) / 8).to(dtype)
+    b = torch.randn(48, generator=gen).to(dtype)
+    calls: list[int] = []
+    real = kernels.linear
+    monkeypatch.setattr(kernels, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b))
+    got = linear(x, w, b)
+    assert calls == [rows] and got.shape == (rows, 48) and got.dtype == dtype
+    _close_to_exact(got, x, w, b)
+    assert kernels.linear_rows_bucket(rows) > rows  # these counts are padded where torch takes them

@@ -14,6 +14,11 @@ bool small_linear_takes(at::ScalarType dtype, int64_t rows);
 // that small_linear_takes. False where it cannot (no register tiles built, another layout or dtype).
 bool small_gemm(const float* x, int64_t rows, int64_t k_len, const at::Tensor& weight, float* out);
 
+// The rows at::linear is called with for `rows` half-precision rows (small_linear pads them): `rows` up to 16, else
+// rounded up to a multiple of a quarter of its power of two (at most 25 % more; four sizes an octave), so that
+// oneDNN's per-shape kernels are built for few shapes and then found in its cache.
+int64_t linear_rows_bucket(int64_t rows);
+
 bool small_linear_vectorized();  // built with simd.h's register tiles (AVX-512 or AVX2)
 int64_t small_linear_max_rows();       // the most float32 rows it takes
 int64_t small_linear_max_half_rows();  // the most bfloat16 / float16 rows its register tiles take
