@@ -15,7 +15,7 @@ the longest query or the longest context of a step, and no full q x L score matr
   with the chunk's offset (query i of a chunk starting at position s sees keys 0..s+i). Chunks that start
   their sequence (no cached context: their keys are their own tokens) and share a length are attended
   together instead (:func:`fresh_groups`, :func:`causal_attention`): a burst of new prompts is then a few
-  batched calls, not one per prompt and layer.
+  batched calls, not one per prompt and layer. Both run torch's fused kernel (:func:`fused_attention`).
 
 Heads may be grouped: queries ``[*, Hq, D]`` against keys ``[*, Hk, D]`` with Hq a multiple of Hk
 (Qwen3's GQA; MLA's absorbed form is Hk = 1, one latent key shared by every head). Matmuls run in the
@@ -44,13 +44,6 @@ from afd.kvcache import DecodePages
 
 #: the most bytes one attention op's temporaries take (scores of a prefill tile; a group of decode pages)
 WORKSPACE_BYTES = 32 << 20
-#: fresh chunks up to this length are attended together by batched float32 matmuls, longer ones by torch's fused
-#: kernel one at a time (:func:`causal_attention`). A prefill step of the built-in-shaped MLA-576 model, bf16, one
-#: thread, ms (per-chunk path / matmuls / fused per chunk after one batched decompression): 64 x 16 tokens
-#: 68.0 / 45.6 / 50.6, 32 x 24: 53.0 / 40.2 / 42.1, 32 x 64: 103.7 / 105.0 / 95.8; 64 x 128: 443 / 496 / 410
-FRESH_MATMUL_TOKENS = 32
-
-
 def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """``cache[slots]`` for an index tensor of any shape, by ``index_select`` (3x faster on CPU than
     advanced indexing, which the KV reads of every step would otherwise pay)."""
@@ -167,10 +160,10 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             outs.append(_attend_with_sinks(query, key, value, visible, scale, sinks).transpose(0, 1))
             continue
         if hk == 1:  # one key for every head: fold the heads into the query rows, read the keys once
-            out = F.scaled_dot_product_attention(query.reshape(1, hq * (b - a), -1), key, value,
-                                                 attn_mask=visible.repeat(hq, 1), scale=scale).view(hq, b - a, -1)
+            out = fused_attention(query.reshape(1, 1, hq * (b - a), -1), key[None], value[None], scale,
+                                  mask=visible.repeat(hq, 1)).reshape(hq, b - a, -1)
         else:
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale, enable_gqa=hk != hq)
+            out = fused_attention(query[None], key[None], value[None], scale, mask=visible)[0]
         outs.append(out.transpose(0, 1))  # [r, Hq, Dv]
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
@@ -204,28 +197,27 @@ def fresh_rows(prefills, group: list[int], device) -> torch.Tensor:
 
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
     """Chunks of equal length L that start their sequences, together: q [G, L, Hq, Dk], keys [G, L, Hk, Dk],
-    values [G, L, Hk, Dv]; query i sees keys 0..i of its own chunk. -> [G, L, Hq, Dv]. Up to ``FRESH_MATMUL_TOKENS``
-    tokens, batched matmuls in float32, chunks taken so that their scores stay within ``WORKSPACE_BYTES`` (torch's
-    fused kernel on the whole batch was 1.4x slower than on each chunk, at 64 tokens); longer chunks, the fused
-    kernel a chunk at a time."""
-    g, length, hq, _ = q.shape
-    hk = keys.shape[2]
-    if length > FRESH_MATMUL_TOKENS:  # torch's fused kernel, a chunk at a time
-        return torch.stack([F.scaled_dot_product_attention(q[i].transpose(0, 1), keys[i].transpose(0, 1), values[i].transpose(0, 1),
-                                                           is_causal=True, scale=scale, enable_gqa=hk != hq).transpose(0, 1)
-                            for i in range(g)])
-    per = max(1, WORKSPACE_BYTES // (hq * length * length * 4 * 2))  # chunks whose fp32 scores and probabilities fit
-    visible = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    outs = []
-    for a in range(0, g, per):
-        b = min(g, a + per)
-        # [b-a, Hk, G' L, D]: the heads of a group share their key (G' = Hq / Hk), read once
-        query = q[a:b].float().view(b - a, length, hk, hq // hk, -1).permute(0, 2, 3, 1, 4).reshape(b - a, hk, -1, q.shape[-1])
-        scores = torch.matmul(query, keys[a:b].float().permute(0, 2, 3, 1)).mul_(scale).view(b - a, hk, -1, length, length)
-        probs = scores.masked_fill_(~visible, float("-inf")).softmax(-1).view(b - a, hk, -1, length)
-        out = torch.matmul(probs, values[a:b].float().transpose(1, 2))  # [b-a, Hk, G' L, Dv]
-        outs.append(out.view(b - a, hk, hq // hk, length, -1).permute(0, 3, 1, 2, 4).reshape(b - a, length, hq, -1).to(q.dtype))
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
+    values [G, L, Hk, Dv]; query i sees keys 0..i of its own chunk. -> [G, L, Hq, Dv]. One call of torch's fused
+    kernel over the whole group: it keeps no score matrix, so a group's memory is its inputs'."""
+    out = fused_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), scale, causal=True)
+    return out.transpose(1, 2)
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+                    causal: bool = False) -> torch.Tensor:
+    """torch's ``scaled_dot_product_attention`` on its fused (flash) path: q [B, Hq, r, Dk], k [B, Hk, L, Dk],
+    v [B, Hk, L, Dv], mask [r, L] (True: visible) or None -> [B, Hq, r, Dv]. On the CPU that path takes only 4-D
+    inputs whose key and value have one head size; anything else falls to the math path, which builds the scores in
+    full. MLA's heads are such (Dk = dn + dr > Dv), so the narrower side is zero-padded here: zero value channels
+    give outputs that are dropped, zero query and key channels add nothing to a score (one thread, bf16: V2-Lite's
+    16 heads over 4 x 512 tokens 187 -> 31 ms, the built-in model's 32 x 64-token burst 4.2 -> 1.2 ms a layer)."""
+    dk, dv = q.shape[-1], v.shape[-1]
+    if dv < dk:
+        v = F.pad(v, (0, dk - dv))
+    elif dk < dv:
+        q, k = F.pad(q, (0, dv - dk)), F.pad(k, (0, dv - dk))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[..., :dv] if dv < dk else out
 
 
 def _attend_with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scale: float,

@@ -240,16 +240,41 @@ def test_a_mixed_step_equals_one_by_one_runs(request, which):
 
 @pytest.mark.parametrize("hq, hk", [(4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("length", [13, pa.FRESH_MATMUL_TOKENS + 3])  # batched matmuls; the fused kernel per chunk
-def test_fresh_chunks_attended_together_equal_the_reference(hq, hk, dtype, length):
+@pytest.mark.parametrize("dk, dv", [(16, 16), (24, 16), (16, 24)])  # MLA's key is wider than its value
+def test_fresh_chunks_attended_together_equal_the_reference(hq, hk, dtype, dk, dv):
     gen = torch.Generator().manual_seed(hq * 10 + hk)
-    g, d = 3, 16
-    q, k, v = (torch.randn(g, length, h, d, generator=gen).to(dtype) for h in (hq, hk, hk))
+    g, length = 3, 13
+    q, k = (torch.randn(g, length, h, dk, generator=gen).to(dtype) for h in (hq, hk))
+    v = torch.randn(g, length, hk, dv, generator=gen).to(dtype)
     got = pa.causal_attention(q, k, v, 0.25)
-    assert got.shape == (g, length, hq, d) and got.dtype == dtype
+    assert got.shape == (g, length, hq, dv) and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for i in range(g):
         torch.testing.assert_close(got[i].double(), reference(q[i], k[i], v[i], 0, 0.25), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dk, dv", [(24, 16), (16, 24), (16, 16)])
+def test_prefill_attention_calls_the_fused_kernel_with_one_head_size_in_4d(monkeypatch, dk, dv):
+    """CPU flash attention takes only 4-D inputs of one head size (else torch's math path builds every score):
+    every call the prefill paths make is such, and the result still equals the reference."""
+    seen = []
+    sdpa = pa.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((q.dim(), k.dim(), v.dim(), q.shape[-1], k.shape[-1], v.shape[-1]))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(pa.F, "scaled_dot_product_attention", spy)
+    gen = torch.Generator().manual_seed(dk + dv)
+    for hq, hk in [(4, 4), (4, 2), (4, 1)]:
+        q = torch.randn(5, hq, dk, generator=gen)
+        keys, values = torch.randn(9, hk, dk, generator=gen), torch.randn(9, hk, dv, generator=gen)
+        torch.testing.assert_close(pa.prefill_attention(q, keys, values, 4, 0.3).double(), reference(q, keys, values, 4, 0.3),
+                                   atol=1e-5, rtol=1e-5)
+        fresh = [torch.randn(2, 6, h, d, generator=gen) for h, d in ((hq, dk), (hk, dk), (hk, dv))]
+        pa.causal_attention(*fresh, 0.3)
+    assert len(seen) == 6
+    assert all(call == (4, 4, 4) + (max(dk, dv),) * 3 for call in seen), seen
 
 
 def test_fresh_groups_take_same_length_prompts_that_start_their_sequence(monkeypatch):
