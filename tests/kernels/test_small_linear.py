@@ -87,7 +87,7 @@ def test_amx_bf16_tiles_are_built_where_the_cpu_and_the_os_allow_them():
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 100, 128])  # one or two B tiles, a partial last one
-@pytest.mark.parametrize("n, k", [(64, 32), (100, 256), (96, 2048)])  # W rows past the last block of 32 (100)
+@pytest.mark.parametrize("n, k", [(64, 32), (100, 256), (80, 64), (63, 96), (96, 2048)])  # W rows past the last block of 32 (4, 16, 31)
 def test_amx_bf16_product_is_the_float32_sum_of_exact_products(rows, n, k):
     """bf16 x bf16 products are exact in float32: the tiles' sums differ from float64's by float32 rounding only."""
     if not _amx_bf16_expected():

@@ -187,14 +187,19 @@ bool gemm(const In* x, int64_t rows, int64_t k_len, const In* w, int64_t n_len, 
     }
     _tile_release();
   });
-  at::parallel_for(0, rows, 1, [&](int64_t m0, int64_t m1) {  // the last W rows, fewer than two tiles
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t n = blocks * 2 * kTileRows; n < n_len; ++n) {
-        Acc sum = 0;
-        for (int64_t k = 0; k < k_len; ++k) sum += static_cast<Acc>(x[m * k_len + k]) * static_cast<Acc>(w[n * k_len + k]);
-        out[m * n_len + n] = sum;
-      }
-  });
+  const int64_t done = blocks * 2 * kTileRows, tail = n_len - done;
+  if (tail > 0) {  // the last W rows, fewer than two tiles: a block of them zero-padded to two (a scalar loop here had
+                   // made a 32 x 256 . 80 x 256 bf16 product 7x slower than a 96-row one)
+    std::vector<In> w_pad(2 * kTileRows * k_len, In(0));
+    std::memcpy(w_pad.data(), w + done * k_len, tail * k_len * sizeof(In));
+    std::vector<Acc> out_pad(rows * 2 * kTileRows);
+    const TileConfig cfg = tile_config();
+    _tile_loadconfig(&cfg);
+    if (rows > kTileRows) block<In, 2>(w_pad.data(), k_len, packed.data(), rows, 0, 2 * kTileRows, out_pad.data());
+    else block<In, 1>(w_pad.data(), k_len, packed.data(), rows, 0, 2 * kTileRows, out_pad.data());
+    _tile_release();
+    for (int64_t m = 0; m < rows; ++m) std::memcpy(out + m * n_len + done, out_pad.data() + m * 2 * kTileRows, tail * sizeof(Acc));
+  }
   return true;
 }
 
