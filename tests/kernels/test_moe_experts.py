@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from afd.kernels import ops as native_ops
 from afd.models.layers import GroupedExperts
+from tests import support
 
 
 def make_experts(held: list[int], num_experts: int = 8, hidden: int = 24, inter: int = 10, dtype=torch.float32, seed: int = 0,
@@ -103,6 +104,34 @@ def test_decode_sized_experts_run_no_aten_op_per_expert():
     ids, weights = routing(200, 2, 8)
     prefill = _aten_ops(lambda: experts(torch.randn(200, 24), ids, weights))
     assert per_expert_ops <= prefill, prefill
+
+
+@pytest.mark.parametrize("num_tokens", [7, 64, 400])  # up to 128 rows an expert on the tiles; 400 x 3 / 8 past them
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_bf16_experts_on_amx_tiles_are_as_close_as_the_loop_and_run_no_aten_op_per_expert(num_tokens, gpt_oss):
+    """Where AMX-BF16 runs, bf16 experts of 5-128 rows each (H and I multiples of 32) take the C++ loop on the tiles:
+    float32 intermediates, the activation rounded once for the down GEMM, so at least as close to float64 as the
+    Python loop (which rounds after every op), with no gather, silu or scatter op per expert. Past 128 rows, or
+    where the tiles do not run, the loop's own ATen ops, bit for bit."""
+    kernels = native_ops()
+    x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    ids, weights = routing(num_tokens, 3, 8)
+    native = make_experts(list(range(8)), hidden=64, inter=32, dtype=torch.bfloat16, gpt_oss=gpt_oss)
+    python = make_experts(list(range(8)), hidden=64, inter=32, dtype=torch.bfloat16, gpt_oss=gpt_oss)
+    ops = _aten_ops(lambda: native(x, ids, weights))
+    got, want = native(x, ids, weights), python.reference(x, ids, weights)
+    dense = dense_reference(python, x, ids, weights)
+    most = max(python.tokens_routed)
+    tiles = kernels.small_linear_max_half_rows < most <= kernels.moe_experts_bf16_tile_rows
+    if num_tokens == 64:  # 8-20 rows an expert: the tiles wherever they run
+        assert tiles == (kernels.moe_experts_bf16_tile_rows > 0) == ("amx_bf16" in support.cpu_flags() and support.amx_granted())
+    if num_tokens == 400:
+        assert most > 128 and not tiles
+    if tiles:
+        assert not ops & {"aten::silu", "aten::sigmoid", "aten::index_select", "aten::index_put_"}, ops
+        assert (got.double() - dense).abs().max() <= 2 * (want.double() - dense).abs().max() + 1e-2 * dense.abs().max()
+    else:
+        assert torch.equal(got, want), (got - want).abs().max()
 
 
 def test_native_experts_refuse_an_expert_id_out_of_range():
