@@ -50,7 +50,8 @@ from afd import env
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("ops.cpp", "paged_decode.cpp", "moe_experts.cpp", "norm_rope.cpp", "small_linear.cpp",
-                                                                        "gated_deltanet.cpp", "int8_linear.cpp", "amx.cpp"))
+                                                                        "gated_deltanet.cpp", "int8_linear.cpp", "amx.cpp",
+                                                                        "mla_decode.cpp"))
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("simd.h", "small_linear.h", "int8_linear.h"))
 #: -march=native: the library is built on the machine that runs it; OpenMP's simd pragmas vectorize the
 #: reductions without -ffast-math (the order of a dot product's sum changes, nothing else); -fopenmp makes

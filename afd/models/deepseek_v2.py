@@ -21,7 +21,7 @@ from afd.config import ModelConfig
 from afd.kvcache import AttentionMetadata
 from afd.models.base import MoEModel
 from afd.models.layers import Linear, RMSNorm, RotaryEmbedding
-from afd.models.paged_attention import causal_attention, decode_attention, fresh_groups, fresh_rows, gather, prefill_attention
+from afd.models.paged_attention import causal_attention, decode_attention, fresh_groups, fresh_rows, gather, native_mla, prefill_attention
 from afd.models.sparse_attention import STATE_KEY, Indexer, Selection, gathered
 
 
@@ -74,7 +74,12 @@ class MLAttention(nn.Module):
         w_kv_b = self.kv_b_proj.weight.view(nh, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         w_uk, w_uv = w_kv_b.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)  # [nh, dn, R], [nh, dv, R]
         out = x.new_empty(t, nh, mla.v_head_dim)  # [T, nh, dv]
-        if meta.decode is not None:  # absorbed: one latent key and value shared by every head
+        kernels = native_mla(q, cache, w_kv_b) if selection is None else None
+        if meta.decode is not None and kernels is not None:  # the absorbed decode below in one native call
+            pages = meta.decode
+            out[pages.rows] = kernels.mla_decode(q_nope[pages.rows], q_pe[pages.rows], w_kv_b, cache, pages.block_tables,
+                                                 pages.context_lens, pages.block_size, self.scale, pages.window)
+        elif meta.decode is not None:  # absorbed: one latent key and value shared by every head
             rows = meta.decode.rows
             keys, pages = cache, meta.decode
             if selection is not None:  # sparse: the selected latents only, gathered

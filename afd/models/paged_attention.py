@@ -77,6 +77,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return decode_attention_reference(q, k_cache, v_cache, pages, scale, value_dim)
 
 
+def native_mla(q: torch.Tensor, cache: torch.Tensor, w_kv_b: torch.Tensor):
+    """The native kernels where MLA's absorbed decode runs in one call of theirs (``mla_decode``: W_UK into the
+    query, :func:`decode_attention`'s kernel, W_UV after it, kv_b_proj read in place): CPU tensors of one dtype,
+    contiguous, half precision only where the decode kernel is vectorised. Else None: the torch ops of
+    ``MLAttention.forward``, its twin."""
+    kernels = native_ops() if cache.device.type == "cpu" else None
+    if kernels is None or not (q.dtype == cache.dtype == w_kv_b.dtype and cache.is_contiguous() and w_kv_b.is_contiguous()):
+        return None
+    return kernels if cache.dtype == torch.float32 or kernels.paged_decode_vectorized else None
+
+
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, pages: DecodePages,
                                scale: float, value_dim: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`decode_attention` in torch ops: contexts gathered a group of pages at a time, scored by batched

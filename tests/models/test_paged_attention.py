@@ -322,3 +322,33 @@ def test_a_burst_of_new_prompts_is_attended_together_and_equals_one_by_one_runs(
         report = compare_values(f"sequence {i}", run([i])[0], burst[i])
         assert report.ok, str(report)
     assert calls == []  # alone, every prompt takes the per-chunk path
+
+
+def test_mla_decode_steps_run_the_native_call_and_equal_its_torch_twin(deepseek, monkeypatch):
+    """An MLA model's decode rows take ``mla_decode`` once a layer (counted) and give the logits of the torch ops it
+    replaces (``native_mla`` off); prefill rows never take it."""
+    from afd.models import deepseek_v2
+
+    calls = []
+    real = deepseek_v2.native_mla
+
+    def counted(*args):
+        kernels = real(*args)
+        if kernels is None:
+            return None
+        return type("Counted", (), {"mla_decode": lambda self, *a: calls.append(a[0].shape[0]) or kernels.mla_decode(*a)})()
+
+    gen = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (9, 14, 5)]
+
+    def run():
+        runner = ModelRunner(deepseek, CacheConfig(block_size=BS, num_blocks=64))
+        blocks = BlockManager(64, BS)
+        runner.execute([t for s in seqs for t in s[:-1]], [SeqChunk(blocks.ensure(i, len(s) - 1), 0, len(s) - 1) for i, s in enumerate(seqs)])
+        return runner.execute([s[-1] for s in seqs], [SeqChunk(blocks.ensure(i, len(s)), len(s) - 1, 1) for i, s in enumerate(seqs)])
+
+    monkeypatch.setattr(deepseek_v2, "native_mla", counted)
+    native = run()
+    assert calls == [3] * deepseek.config.num_layers  # the decode step's three rows, once a layer; the prefill none
+    monkeypatch.setattr(deepseek_v2, "native_mla", lambda *a: None)
+    assert compare_values("mla_decode vs torch ops", run(), native).ok

@@ -15,6 +15,8 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
                                                const c10::optional<at::Tensor>& down_scales, double swiglu_offset);
 
 bool paged_decode_vectorized();
+at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& w_kv_b, const at::Tensor& cache,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size, double scale, int64_t window);
 
 std::tuple<at::Tensor, at::Tensor> dsa_index_topk(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& index_cache,
                                                  const at::Tensor& block_tables, const at::Tensor& context_lens,
@@ -48,6 +50,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention read in place from the paged KV cache (paged_decode.cpp)");
   m.attr("paged_decode_vectorized") = pybind11::bool_(paged_decode_vectorized());
+  m.def("mla_decode", &mla_decode, "DeepSeek MLA's absorbed decode in one call: W_UK into the query, attention over the cached "
+        "latents, W_UV after it, kv_b_proj's weight read in place (mla_decode.cpp)");
   m.def("dsa_index_topk", &dsa_index_topk, "DeepSeek Sparse Attention's indexer at decode, read in place (paged_decode.cpp)");
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass, the Hugging Face dtype rules (norm_rope.cpp)");
   m.def("rotary", &rotary, "rotary embedding in one pass, interleaved or halves (norm_rope.cpp)");
