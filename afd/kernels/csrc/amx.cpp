@@ -44,6 +44,9 @@ constexpr int64_t kMaxRows = 256;
 // bfloat16, against torch's bf16 linear (oneDNN on AMX, W reordered per call), the same shapes and 3072 x 2048, weights
 // from memory: 1.7-2.0x at 8-16 rows, 1.4-1.8x at 48, 1.0-1.3x at 128, 0.95-1.0x at 256
 constexpr int64_t kMaxBf16Rows = 128;
+// a GEMM's rows at once for moe_experts' loop (an expert's rows of a prefill, in chunks of this many): W read once
+// for all of them, x's packed rows (512 x K bf16) re-read from L2 for each block of W
+constexpr int64_t kMaxBf16GemmRows = 512;
 constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // arch_prctl: ask for the AMX tile state (Linux >= 5.16)
 
 struct alignas(64) TileConfig {
@@ -175,7 +178,8 @@ bool gemm(const In* x, int64_t rows, int64_t k_len, const In* w, int64_t n_len, 
   using Acc = typename Dot<In>::Acc;
   const int64_t k_bytes = k_len * static_cast<int64_t>(sizeof(In));
   const int64_t blocks = n_len / (2 * kTileRows);
-  if (rows < 1 || rows > kMaxRows || blocks == 0 || k_bytes % kTileBytes != 0 || !amx_usable()) return false;
+  const int64_t max_rows = std::is_same_v<In, int8_t> ? kMaxRows : kMaxBf16GemmRows;
+  if (rows < 1 || rows > max_rows || blocks == 0 || k_bytes % kTileBytes != 0 || !amx_usable()) return false;
   const std::vector<char> packed = pack_rows(reinterpret_cast<const char*>(x), rows, k_bytes);
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (2 * kTileRows * k_bytes));  // >= 64 KB of W a task
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
@@ -238,9 +242,17 @@ int64_t amx_bf16_max_rows() {
 #endif
 }
 
+int64_t amx_bf16_gemm_max_rows() {
+#if defined(AFD_AMX)
+  return kMaxBf16GemmRows;
+#else
+  return 0;
+#endif
+}
+
 bool bf16_gemm_amx(const c10::BFloat16* x, int64_t rows, int64_t k_len, const c10::BFloat16* w, int64_t n_len, float* out) {
 #if defined(AFD_AMX) && defined(__AMX_BF16__)
-  return rows <= kMaxBf16Rows && gemm<c10::BFloat16>(x, rows, k_len, w, n_len, out);
+  return gemm<c10::BFloat16>(x, rows, k_len, w, n_len, out);
 #else
   return false;
 #endif

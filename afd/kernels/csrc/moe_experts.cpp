@@ -37,10 +37,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "int8_linear.h"
+#include "simd.h"
 #include "small_linear.h"
 
 
@@ -85,16 +87,32 @@ struct ExpertMath {
   at::Tensor down(const at::Tensor& w, int64_t e) const { return down_scales ? decode_mxfp4(w[e], (*down_scales)[e], dtype) : w[e]; }
 };
 
-// silu(gate) * up, or the clamped form, over one row of I channels (gate then up in g).
+// silu(gate) * up, or the clamped form, over one row of I channels (gate then up in g); vectorised with simd.h's exp
+// where the build has it (a scalar std::exp per channel had been most of a prefill's expert time: 1,024 rows x 192).
 inline void activation(const float* g, float* a, int64_t inter, const ExpertMath& math) {
-  if (!math.limit) {
-    for (int64_t c = 0; c < inter; ++c) a[c] = g[c] / (1.f + std::exp(-g[c])) * g[inter + c];
-    return;
+  const bool clamped = math.limit.has_value();
+  const float limit = clamped ? static_cast<float>(*math.limit) : 0.f;
+  const float alpha = clamped ? static_cast<float>(math.alpha) : 1.f, offset = clamped ? static_cast<float>(math.offset) : 0.f;
+  int64_t c = 0;
+#if defined(AFD_SIMD)
+  using namespace afd_simd;
+  const vfloat one = set1(1.f);
+  for (; c + kLanes <= inter; c += kLanes) {
+    vfloat gate = load(g + c), up = load(g + inter + c);
+    if (clamped) {
+      gate = min(gate, set1(limit));
+      up = add(min(max(up, set1(-limit)), set1(limit)), set1(offset));
+    }
+    store(a + c, div(mul(up, gate), add(one, afd_simd::exp(mul(gate, set1(-alpha))))));
   }
-  const float limit = static_cast<float>(*math.limit), alpha = static_cast<float>(math.alpha), offset = static_cast<float>(math.offset);
-  for (int64_t c = 0; c < inter; ++c) {
-    const float gate = std::min(g[c], limit), up = std::min(std::max(g[inter + c], -limit), limit);
-    a[c] = (up + offset) * gate / (1.f + std::exp(-alpha * gate));
+#endif
+  for (; c < inter; ++c) {
+    float gate = g[c], up = g[inter + c];
+    if (clamped) {
+      gate = std::min(gate, limit);
+      up = std::min(std::max(up, -limit), limit) + offset;
+    }
+    a[c] = up * gate / (1.f + std::exp(-alpha * gate));
   }
 }
 
@@ -125,20 +143,22 @@ Grouped group_by_expert(const at::Tensor& local_ids, int64_t num_experts) {
   return g;
 }
 
-// Whether the decode path takes bf16 experts on AMX-BF16 tiles: each expert's rows within the tiles' 128, both GEMMs'
-// K (H, then I) a multiple of 32 and N at least 32 (ops.cpp: ``moe_experts_bf16_tile_rows``).
+// Whether the decode path takes bf16 experts on AMX-BF16 tiles (any number of rows, in chunks): both GEMMs' K (H, then
+// I) a multiple of 32 and N at least 32 (ops.cpp: ``moe_experts_bf16_tiles``).
 bool experts_take_tiles(at::ScalarType dtype, int64_t most, int64_t hidden, int64_t inter) {
-  return dtype == at::kBFloat16 && amx_bf16_usable() && most <= amx_bf16_max_rows() && hidden % 32 == 0 && inter % 32 == 0 &&
-         hidden >= 32 && inter >= 32;
+  return dtype == at::kBFloat16 && amx_bf16_usable() && most > 0 && hidden % 32 == 0 && inter % 32 == 0 && hidden >= 32 && inter >= 32;
 }
 
 // The decode path (see the top): out [T, H] float32 += weight * expert(x row) for every held (token, slot) row. With
-// `tiles` (bfloat16 on AMX-BF16, amx.cpp: 5-128 rows an expert, H and I multiples of 32) the GEMMs take bf16 rows
-// and return float32: x's rows are gathered as they are, the activation rounded to bf16 once for the down GEMM.
+// `tiles` (bfloat16 on AMX-BF16, amx.cpp; H and I multiples of 32) the GEMMs take bf16 rows and return float32: x's
+// rows are gathered as they are, the activation rounded to bf16 once for the down GEMM, and an expert's rows go
+// through in chunks of up to amx_bf16_gemm_max_rows() (each chunk reads the expert's W once; the rows between the
+// GEMMs are split over the threads, an expert's rows being distinct tokens).
 at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
                             const std::vector<int64_t>& count, const std::vector<int64_t>& rows, int64_t k, int64_t most,
                             const ExpertMath& math, int64_t inter, bool tiles = false) {
   const int64_t hidden = x.size(1), num_experts = gate_up.size(0);
+  const int64_t chunk = tiles ? std::min(most, amx_bf16_gemm_max_rows()) : most;  // rows a GEMM takes at once
   const at::Tensor x32 = tiles ? at::Tensor() : x.to(at::kFloat).contiguous();
   const at::Tensor x16 = tiles ? x.contiguous() : at::Tensor();
   const at::Tensor w32 = weights.to(at::kFloat).contiguous();
@@ -146,8 +166,8 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
   const float* ws = w32.data_ptr<float>();
   at::Tensor out = at::zeros({x.size(0), hidden}, x.options().dtype(at::kFloat));
   float* os = out.data_ptr<float>();
-  std::vector<float> xe(tiles ? 0 : most * hidden), gate_and_up(most * 2 * inter), act(most * inter), ye(most * hidden);
-  std::vector<c10::BFloat16> xe16(tiles ? most * hidden : 0), act16(tiles ? most * inter : 0);
+  std::vector<float> xe(tiles ? 0 : chunk * hidden), gate_and_up(chunk * 2 * inter), act(chunk * inter), ye(chunk * hidden);
+  std::vector<c10::BFloat16> xe16(tiles ? chunk * hidden : 0), act16(tiles ? chunk * inter : 0);
   const auto product = [&](bool first, int64_t e, int64_t n) {  // the gate/up (first) or the down GEMM of expert e's n rows
     const at::Tensor w = first ? math.gate_up(gate_up, e) : math.down(down, e);
     const int64_t k_len = first ? hidden : inter, n_len = first ? 2 * inter : hidden;
@@ -157,44 +177,54 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
                             : small_gemm(first ? xe.data() : act.data(), n, k_len, w, dst);
     TORCH_CHECK(done, "moe_experts: ", first ? "gate_up" : "down", " is not contiguous");
   };
+  const auto rows_in_parallel = [&](int64_t n, const std::function<void(int64_t)>& row) {  // decode sizes: this thread
+    if (n < 32) {
+      for (int64_t i = 0; i < n; ++i) row(i);
+    } else {
+      at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) row(i);
+      });
+    }
+  };
   at::Tensor b1, b2;  // the biases in float32, or undefined
   if (math.gate_up_bias) b1 = math.gate_up_bias->to(at::kFloat).contiguous();
   if (math.down_bias) b2 = math.down_bias->to(at::kFloat).contiguous();
   for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t n = count[e + 1] - count[e];
-    if (n == 0) continue;
-    const int64_t* slot_rows = rows.data() + count[e];
-    if (tiles) {
-      const c10::BFloat16* x16s = x16.data_ptr<c10::BFloat16>();
-      for (int64_t i = 0; i < n; ++i)
-        std::memcpy(xe16.data() + i * hidden, x16s + (slot_rows[i] / k) * hidden, hidden * sizeof(c10::BFloat16));
-    } else {
-      for (int64_t i = 0; i < n; ++i) std::memcpy(xe.data() + i * hidden, xs + (slot_rows[i] / k) * hidden, hidden * sizeof(float));
-    }
-    product(true, e, n);
-    for (int64_t i = 0; i < n; ++i) {
-      float* g = gate_and_up.data() + i * 2 * inter;
-      if (b1.defined()) {
-        const float* b = b1.data_ptr<float>() + e * 2 * inter;
-        for (int64_t c = 0; c < 2 * inter; ++c) g[c] += b[c];
-      }
-      activation(g, act.data() + i * inter, inter, math);
-    }
-    if (tiles)
-      for (int64_t i = 0; i < n * inter; ++i) act16[i] = c10::BFloat16(act[i]);
-    product(false, e, n);
-    const float* bias = b2.defined() ? b2.data_ptr<float>() + e * hidden : nullptr;
-    for (int64_t i = 0; i < n; ++i) {
-      const float w = ws[slot_rows[i]];
-      const float* y = ye.data() + i * hidden;
-      float* o = os + (slot_rows[i] / k) * hidden;
-      if (bias != nullptr) {  // the expert's bias, then its weight
+    for (int64_t c0 = count[e]; c0 < count[e + 1]; c0 += chunk) {
+      const int64_t n = std::min(chunk, count[e + 1] - c0);
+      const int64_t* slot_rows = rows.data() + c0;
+      rows_in_parallel(n, [&](int64_t i) {
+        if (tiles)
+          std::memcpy(xe16.data() + i * hidden, x16.data_ptr<c10::BFloat16>() + (slot_rows[i] / k) * hidden, hidden * sizeof(c10::BFloat16));
+        else
+          std::memcpy(xe.data() + i * hidden, xs + (slot_rows[i] / k) * hidden, hidden * sizeof(float));
+      });
+      product(true, e, n);
+      rows_in_parallel(n, [&](int64_t i) {
+        float* g = gate_and_up.data() + i * 2 * inter;
+        if (b1.defined()) {
+          const float* b = b1.data_ptr<float>() + e * 2 * inter;
+          for (int64_t c = 0; c < 2 * inter; ++c) g[c] += b[c];
+        }
+        float* a = act.data() + i * inter;
+        activation(g, a, inter, math);
+        if (tiles)
+          for (int64_t c = 0; c < inter; ++c) act16[i * inter + c] = c10::BFloat16(a[c]);
+      });
+      product(false, e, n);
+      const float* bias = b2.defined() ? b2.data_ptr<float>() + e * hidden : nullptr;
+      rows_in_parallel(n, [&](int64_t i) {
+        const float w = ws[slot_rows[i]];
+        const float* y = ye.data() + i * hidden;
+        float* o = os + (slot_rows[i] / k) * hidden;
+        if (bias != nullptr) {  // the expert's bias, then its weight
 #pragma omp simd
-        for (int64_t c = 0; c < hidden; ++c) o[c] += w * (y[c] + bias[c]);
-      } else {
+          for (int64_t c = 0; c < hidden; ++c) o[c] += w * (y[c] + bias[c]);
+        } else {
 #pragma omp simd
-        for (int64_t c = 0; c < hidden; ++c) o[c] += w * y[c];
-      }
+          for (int64_t c = 0; c < hidden; ++c) o[c] += w * y[c];
+        }
+      });
     }
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());

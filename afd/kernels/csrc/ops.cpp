@@ -82,8 +82,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Gated DeltaNet decode: one token per sequence, its recurrent state read and written in place in the slots (gated_deltanet.cpp)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("g"), pybind11::arg("beta"), pybind11::arg("state"),
         pybind11::arg("slots"), pybind11::arg("fresh"));
-  // bf16 experts of up to this many rows each (H and I multiples of 32) run moe_experts' decode loop on AMX-BF16 tiles; 0: none
-  m.attr("moe_experts_bf16_tile_rows") = pybind11::int_(amx_bf16_usable() ? amx_bf16_max_rows() : 0);
+  // bf16 experts (H and I multiples of 32) run moe_experts' C++ loop on AMX-BF16 tiles, any rows, past 4 an expert
+  m.attr("moe_experts_bf16_tiles") = pybind11::bool_(amx_bf16_usable());
   m.def("moe_experts", &moe_experts, "the routed experts held here, one GEMM pair per expert (moe_experts.cpp)",
         pybind11::arg("x"), pybind11::arg("local_ids"), pybind11::arg("weights"), pybind11::arg("gate_up"), pybind11::arg("down"),
         pybind11::arg("gate_up_bias") = pybind11::none(), pybind11::arg("down_bias") = pybind11::none(),

@@ -53,6 +53,14 @@ inline vfloat load(const c10::Half* p, Tail t) { return _mm512_cvtph_ps(_mm256_m
 inline void store(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
 inline void store(float* p, vfloat v, Tail t) { _mm512_mask_storeu_ps(p, t.bits, v); }
 
+inline vfloat add(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat mul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat div(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
+inline vfloat min(vfloat a, vfloat b) { return _mm512_min_ps(a, b); }
+inline vfloat max(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
+inline vfloat round_nearest(vfloat a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vfloat scale_by_power_of_two(vfloat p, vfloat n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
+
 }  // namespace afd_simd
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -106,8 +114,43 @@ inline void store(float* p, vfloat v, Tail t) {
   std::memcpy(p, buf, t.n * sizeof(float));
 }
 
+inline vfloat add(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+inline vfloat mul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+inline vfloat div(vfloat a, vfloat b) { return _mm256_div_ps(a, b); }
+inline vfloat min(vfloat a, vfloat b) { return _mm256_min_ps(a, b); }
+inline vfloat max(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
+inline vfloat round_nearest(vfloat a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vfloat scale_by_power_of_two(vfloat p, vfloat n) {  // p * 2^n, n an integer in [-126, 127]
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
 }  // namespace afd_simd
 
 #else
 #define AFD_SIMD_NAME "none"
+#endif
+
+#if defined(AFD_SIMD)
+namespace afd_simd {
+
+// e^x for x in float32's range, within 2 ulp of expf (x past +-87.3 clamped: e^x then saturates to ~1e38 or ~1e-38,
+// not inf or 0): x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial, scaled by 2^n. What a kernel's
+// loop calls where std::exp would stop it vectorising.
+inline vfloat exp(vfloat x) {
+  x = max(min(x, set1(87.3f)), set1(-87.3f));
+  const vfloat n = round_nearest(mul(x, set1(1.44269504088896341f)));
+  vfloat r = fmadd(n, set1(-0.693359375f), x);
+  r = fmadd(n, set1(2.12194440e-4f), r);
+  vfloat p = set1(1.9875691500e-4f);
+  p = fmadd(p, r, set1(1.3981999507e-3f));
+  p = fmadd(p, r, set1(8.3334519073e-3f));
+  p = fmadd(p, r, set1(4.1665795894e-2f));
+  p = fmadd(p, r, set1(1.6666665459e-1f));
+  p = fmadd(p, r, set1(5.0000001201e-1f));
+  p = fmadd(mul(p, r), r, add(r, set1(1.f)));
+  return scale_by_power_of_two(p, n);
+}
+
+}  // namespace afd_simd
 #endif

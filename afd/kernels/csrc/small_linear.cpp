@@ -220,6 +220,7 @@ at::Tensor amx_product(const at::Tensor& x, const at::Tensor& weight) {
   if (!(x.device().is_cpu() && x.dim() == 2 && weight.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
         weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && x.size(1) == weight.size(1)))
     return at::Tensor();
+  if (x.size(0) > amx_bf16_max_rows()) return at::Tensor();  // past 128 rows oneDNN's blocked kernels are as fast
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options().dtype(at::kFloat));
   const bool taken = bf16_gemm_amx(xc.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), weight.data_ptr<c10::BFloat16>(),

@@ -24,9 +24,10 @@ int64_t small_linear_max_rows();       // the most float32 rows it takes
 int64_t small_linear_max_half_rows();  // the most bfloat16 / float16 rows its register tiles take
 int64_t small_linear_max_bf16_rows();  // the most bfloat16 rows small_linear computes itself (register or AMX tiles)
 
-// amx.cpp: bfloat16 on AMX-BF16 tiles, W read in place, 1..amx_bf16_max_rows() (128) rows, K a multiple of 32; out float32.
+// amx.cpp: bfloat16 on AMX-BF16 tiles, W read in place, 1..amx_bf16_gemm_max_rows() rows, K a multiple of 32; out float32.
 // False where the tiles do not take the call (not built, the OS refuses the tile state, the shape).
 bool amx_bf16_usable();
-int64_t amx_bf16_max_rows();
+int64_t amx_bf16_max_rows();       // the rows small_linear gives the tiles (128)
+int64_t amx_bf16_gemm_max_rows();  // the most rows bf16_gemm_amx takes at once (512: moe_experts' chunks)
 at::Tensor bf16_matmul_amx(const at::Tensor& x, const at::Tensor& weight);  // float32 x W^T on the tiles, or an error
 bool bf16_gemm_amx(const c10::BFloat16* x, int64_t rows, int64_t k_len, const c10::BFloat16* w, int64_t n_len, float* out);
