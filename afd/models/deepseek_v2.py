@@ -65,7 +65,7 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.view(t, nh, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, R]
-        q_pe = rope.apply(q_pe, cos, sin)  # [T, nh, dr]
+        q_pe = q_pe.copy_(rope.apply(q_pe, cos, sin))  # [T, nh, dr], rotated in q: q is then the whole query
         k_pe = rope.apply(k_pe[:, None, :], cos, sin)[:, 0]  # [T, dr]
 
         cache = kv[0]  # [slots, R + dr]: the latent and the rotated shared key of every cached token
@@ -94,8 +94,8 @@ class MLAttention(nn.Module):
         for group in groups:  # prompts that start their sequence, of one length: decompressed and attended together
             rows, g = fresh_rows(meta.prefills, group, x.device), len(group)
             key, value = self._decompress(gather(cache, torch.cat([meta.prefills[n].slots for n in group])))  # [G L, nh, *]
-            query = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)
-            batched = (y.view(g, -1, nh, y.shape[-1]) for y in (query, key, value))  # [G, L, nh, *]
+            query = q.view(t, nh, mla.qk_head_dim)[rows]  # (q_nope, q_pe)
+            batched = (y.reshape(g, -1, nh, y.shape[-1]) for y in (query, key, value))  # [G, L, nh, *]
             out[rows] = causal_attention(*batched, self.scale).flatten(0, 1).to(out.dtype)
         for n in rest:
             chunk = meta.prefills[n]
@@ -109,7 +109,7 @@ class MLAttention(nn.Module):
                 out[rows] = torch.einsum("thr,hvr->thv", out_latent, w_uv).to(out.dtype)
             else:  # decompress the context's keys and values once, attend per head at head dim dn + dr
                 key, value = self._decompress(ctx)
-                query = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)  # [q, nh, dn + dr]
+                query = q.view(t, nh, mla.qk_head_dim)[rows]  # [q, nh, dn + dr]: (q_nope, q_pe)
                 out[rows] = prefill_attention(query, key, value, chunk.start, self.scale, mask=mask).to(out.dtype)
         return self.o_proj(out.reshape(t, nh * mla.v_head_dim))
 

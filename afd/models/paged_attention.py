@@ -201,9 +201,14 @@ def fresh_groups(prefills, fits=lambda chunk: True) -> tuple[list[list[int]], li
     return groups, sorted(rest)
 
 
-def fresh_rows(prefills, group: list[int], device) -> torch.Tensor:
-    """The step's rows of a group's chunks, chunk after chunk: [G * L] int64."""
-    return torch.cat([torch.arange(prefills[n].row, prefills[n].row + prefills[n].length, device=device) for n in group])
+def fresh_rows(prefills, group: list[int], device) -> torch.Tensor | slice:
+    """The step's rows of a group's chunks, chunk after chunk: a slice where they are one run of rows (a burst of
+    new prompts laid out one after another, the usual case: views instead of gathers and scatters of every
+    query and output row), else [G * L] int64."""
+    chunks = [prefills[n] for n in group]
+    if all(b.row == a.row + a.length for a, b in zip(chunks, chunks[1:])):
+        return slice(chunks[0].row, chunks[-1].row + chunks[-1].length)
+    return torch.cat([torch.arange(c.row, c.row + c.length, device=device) for c in chunks])
 
 
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
