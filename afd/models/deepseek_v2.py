@@ -62,7 +62,8 @@ class MLAttention(nn.Module):
         t = x.shape[0]
         q_latent = None if mla.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_proj(x) if q_latent is None else self.q_b_proj(q_latent)
-        q_nope, q_pe = q.view(t, nh, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        q = q.view(t, nh, mla.qk_head_dim)
+        q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, R]
         q_pe = q_pe.copy_(rope.apply(q_pe, cos, sin))  # [T, nh, dr], rotated in q: q is then the whole query
@@ -94,7 +95,7 @@ class MLAttention(nn.Module):
         for group in groups:  # prompts that start their sequence, of one length: decompressed and attended together
             rows, g = fresh_rows(meta.prefills, group, x.device), len(group)
             key, value = self._decompress(gather(cache, torch.cat([meta.prefills[n].slots for n in group])))  # [G L, nh, *]
-            query = q.view(t, nh, mla.qk_head_dim)[rows]  # (q_nope, q_pe)
+            query = q[rows]  # (q_nope, q_pe)
             batched = (y.reshape(g, -1, nh, y.shape[-1]) for y in (query, key, value))  # [G, L, nh, *]
             out[rows] = causal_attention(*batched, self.scale).flatten(0, 1).to(out.dtype)
         for n in rest:
@@ -109,7 +110,7 @@ class MLAttention(nn.Module):
                 out[rows] = torch.einsum("thr,hvr->thv", out_latent, w_uv).to(out.dtype)
             else:  # decompress the context's keys and values once, attend per head at head dim dn + dr
                 key, value = self._decompress(ctx)
-                query = q.view(t, nh, mla.qk_head_dim)[rows]  # [q, nh, dn + dr]: (q_nope, q_pe)
+                query = q[rows]  # [q, nh, dn + dr]: (q_nope, q_pe)
                 out[rows] = prefill_attention(query, key, value, chunk.start, self.scale, mask=mask).to(out.dtype)
         return self.o_proj(out.reshape(t, nh * mla.v_head_dim))
 

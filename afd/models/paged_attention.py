@@ -183,7 +183,9 @@ def fresh_groups(prefills, fits=lambda chunk: True) -> tuple[list[list[int]], li
     """The step's prefill chunks as (groups, rest): groups of at least two chunks that start their sequence
     (``start`` 0: their context is their own tokens) with the same length and that ``fits`` (the caller's
     limits: a window shorter than the chunk, a mask), to attend together with :func:`causal_attention`;
-    the indices of the others, attended one by one. A group's scores stay within ``WORKSPACE_BYTES``."""
+    the indices of the others, attended one by one. A group is cut where its chunks' [L, L] float32 score matrices
+    would pass ``WORKSPACE_BYTES`` (the fused kernel keeps none: the bound now limits a group's decompressed keys and
+    values, which grow with it)."""
     by_length: dict[int, list[int]] = {}
     rest = []
     for n, chunk in enumerate(prefills):

@@ -1,5 +1,5 @@
 // GEMMs on AMX tiles (Sapphire Rapids and later), the weight read as it lies ([N, K], nn.Linear's layout), with no
-// packed copy of it, up to 256 rows (int8) or 128 (bf16):
+// packed copy of it, up to 256 rows (int8) or 512 (bf16; small_linear gives it 128, moe_experts' loop chunks of 512):
 //
 // * int8: acc = q W^T, exact (TDPBSSD: signed x signed into int32; no bias trick, no row sums);
 // * bfloat16: acc = x W^T in float32 (TDPBF16PS: products of bf16 pairs summed in float32, as oneDNN's AMX kernels
@@ -12,11 +12,11 @@
 // (x W^T)^T, written back transposed. The repacking moves 4-byte groups whatever the type: one routine serves both.
 //
 // Work is split over torch's threads by blocks of 32 W rows (two A tiles); each block meets every 16- or 32-row
-// block of x (256 x K values packed at most: in L2) while it is in L1/L2, so W is read from memory once per call.
+// block of x (256 x K int8 or 512 x K bf16 values packed at most: in L2) while it is in L1/L2, so W is read from memory once per call.
 // Tile registers: 2 A, 1-2 B and 2-4 C (at most 8). Where the tiles cannot run (not compiled for this CPU, the OS
-// refuses the tile state, K not a multiple of a tile row, more than 256 rows, 128 for bf16), the entry points
-// return false and the caller takes its other path; W rows past the last whole block of 32 are summed by a plain
-// loop.
+// refuses the tile state, K not a multiple of a tile row, more than 256 rows, 512 for bf16), the entry points
+// return false and the caller takes its other path; W rows past the last whole block of 32 run as one more block,
+// zero-padded.
 
 #include "int8_linear.h"
 #include "small_linear.h"

@@ -8,7 +8,8 @@
 // (docs/benchmarks.md, "Kernels"). Here each W row is read once, in place, a vector (16 or 8 values) at a time, and meets
 // every row of x while it is in registers: MT rows of x by NT rows of W per tile, MT * NT accumulators.
 //
-//   x       [M, K]   float32 (M <= 16), bfloat16 or float16 (M <= 4); more rows go to at::linear
+//   x       [M, K]   float32 (M <= 16), bfloat16 or float16 (M <= 4; bf16 to 128 on AMX tiles); more rows go to
+//                    at::linear, half precision padded to linear_rows_bucket rows
 //   weight  [N, K]   x's dtype, contiguous (nn.Linear's layout)
 //   bias    [N]      optional, x's dtype
 //   returns [M, N]   x's dtype; products and sums in float32, rounded once (as torch's CPU linear does)
