@@ -37,6 +37,7 @@ import torch
 
 from afd.cli.bench_models import add_model_args, kv_bytes_per_token, load_for_bench, make_engine
 from afd.cli.common import print_table
+from afd.cli.roofline_phases import PhaseTimer, gemm_totals, phase_rows
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:
@@ -192,20 +193,26 @@ def decode(model, counts: Counts, batch: int, context: int, steps: int, probe: R
             "gb_s": statistics.median([(w + k) / t for w, k, t in zip(weights, kv, times)]) / 1e9}
 
 
-def prefill(model, counts: Counts, tokens: int, length: int, runs: int, peak: float) -> dict:
+def prefill(model, counts: Counts, tokens: int, length: int, runs: int, peak: float, bandwidth: float) -> dict:
+    """The step's time (median of ``runs`` after one untimed), then one more step under the phase hooks
+    (afd/cli/roofline_phases.py): where its time went, each GEMM phase against its own roofline bound."""
     sequences = max(1, tokens // length)
     times = []
-    for _ in range(runs + 1):
+    for i in range(runs + 2):
         engine = _engine(model, sequences, length, 1)
+        timer = PhaseTimer(model) if i == runs + 1 else None
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
+        if timer is not None:
+            phases = timer.close(times[-1])
         while engine.has_unfinished():
             engine.step()
-    seconds = statistics.median(times[1:])
+    seconds = statistics.median(times[1:-1])
     flops = counts.prefill_flops(sequences * length, sequences)
     return {"tokens": sequences * length, "sequences": sequences, "gflop": flops / 1e9, "step_s": seconds,
-            "gflop_s": flops / seconds / 1e9, "fraction": flops / seconds / peak}
+            "gflop_s": flops / seconds / 1e9, "fraction": flops / seconds / peak,
+            "phases": phase_rows(phases, times[-1], peak, bandwidth), "gemms": gemm_totals(phases, peak, bandwidth)}
 
 
 def compute_dtype(model) -> str:
@@ -232,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: {label}; compute dtype {dtype}; weights read every step {counts.always_bytes / 1e6:.0f} MB, "
           f"a routed expert {max(counts.expert_bytes, default=0) / 1e6:.1f} MB", file=sys.stderr, flush=True)
     decodes = [decode(model, counts, b, args.context, args.steps, probe) for b in args.batch]
-    prefills = [prefill(model, counts, m, args.prefill_len, args.runs, peaks[dtype][0]) for m in args.prefill_tokens]
+    prefills = [prefill(model, counts, m, args.prefill_len, args.runs, peaks[dtype][0], bandwidth) for m in args.prefill_tokens]
     if decodes:
         print_table([("decode batch", "weights MB", "KV MB", "step ms", "GB/s", "probe GB/s", "of bandwidth"),
                      *[(str(d["batch"]), f"{d['weight_bytes'] / 1e6:.0f}", f"{d['kv_bytes'] / 1e6:.1f}", f"{1e3 * d['step_s']:.1f}",
@@ -241,8 +248,17 @@ def run(args: argparse.Namespace) -> int:
         print_table([("prefill tokens", "GFLOP", "step s", "GFLOP/s", f"of {dtype} peak"),
                      *[(f"{p['tokens']} ({p['sequences']} seq)", f"{p['gflop']:.1f}", f"{p['step_s']:.3f}", f"{p['gflop_s']:.0f}",
                         f"{p['fraction']:.2f}x") for p in prefills]])
+    for p in prefills:
+        g = p["gemms"]
+        print(f"prefill {p['tokens']}, one step by phase (hooks): GEMMs {g['gflop_s']:.0f} GFLOP/s, {g['of_peak']:.2f}x of the "
+              f"{dtype} peak, {g['of_bound']:.2f}x of their roofline bounds", file=sys.stderr)
+        print_table([("phase", "ms", "share", "GFLOP", "GFLOP/s", "FLOP/byte", "bound GFLOP/s", "of peak", "of bound"),
+                     *[(r["phase"], f"{r['ms']:.1f}", f"{r['share']:.0%}", *((f"{r['gflop']:.1f}", f"{r['gflop_s']:.0f}", f"{r['flop_per_byte']:.0f}",
+                        f"{r['bound_gflop_s']:.0f}", f"{r['of_peak']:.2f}x", f"{r['of_bound']:.2f}x") if "gflop" in r else ("-",) * 6))
+                       for r in p["phases"]]])
     parts = [f"decode b={d['batch']} {d['fraction']:.2f}x of {d['bandwidth_gb_s']:.1f} GB/s" for d in decodes]
-    parts += [f"prefill {p['tokens']} {p['fraction']:.2f}x of {peaks[dtype][0] / 1e9:.0f} GFLOP/s ({dtype})" for p in prefills]
+    parts += [f"prefill {p['tokens']} {p['fraction']:.2f}x of {peaks[dtype][0] / 1e9:.0f} GFLOP/s ({dtype}; its GEMMs "
+              f"{p['gemms']['of_peak']:.2f}x, {p['gemms']['of_bound']:.2f}x of their bounds)" for p in prefills]
     print(f"summary: {label} ({instruction_sets(flags)}): " + "; ".join(parts))
     if args.json_out:
         result = {"bench": "roofline", "model": label, "compute_dtype": dtype, "instruction_sets": instruction_sets(flags),
