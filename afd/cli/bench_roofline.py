@@ -21,7 +21,11 @@ The model (a checkpoint, the built-in one, or a synthetic DeepSeek-V2-Lite/V3-sh
   layers, 2 x rows x in x out for every weight the tokens pass (attention's, the dense MLP's, shared experts', the
   router's, top-k routed experts' per token, the LM head's for one row per sequence). Attention's own T^2 term
   is not counted (at ``--prefill-len`` 512 it is a few percent of a MoE layer's). Achieved fraction = FLOPs /
-  time / the GEMM peak of the dtype the model's linears compute in (int8 for a W8A8 checkpoint).
+  time / the GEMM peak of the dtype the model's linears compute in (int8 for a W8A8 checkpoint). Then one more
+  step under forward hooks, by phase (afd/cli/roofline_phases.py): attention projections, attention core, dense
+  MLP, shared and routed experts, router, LM head, norms, other; each GEMM phase's rate against the peak and
+  against its own roofline bound, min(peak, FLOP/byte x bandwidth), which is the bandwidth's for routed experts
+  that get few rows each.
 """
 
 from __future__ import annotations

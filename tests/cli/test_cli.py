@@ -267,5 +267,8 @@ def test_bench_roofline_measures_the_machine_and_the_model(checkpoints, tmp_path
     assert three["weight_bytes"] >= one["weight_bytes"] > 0 and three["kv_bytes"] > 2 * one["kv_bytes"]
     assert [p["tokens"] for p in data["prefill"]] == [32] and data["prefill"][0]["sequences"] == 2
     assert all(0 < x["fraction"] for x in data["decode"] + data["prefill"])
+    phases = {r["phase"]: r for r in data["prefill"][0]["phases"]}  # one step by phase, the GEMM phases against their bounds
+    assert {"attention projections", "routed experts", "attention core", "other"} <= set(phases)
+    assert 0 < phases["routed experts"]["of_bound"] and 0 < data["prefill"][0]["gemms"]["of_peak"]
     # each decode measured against the probes taken just before its steps, reported beside it
     assert all(x["bandwidth_gb_s"] > 0 and 0.5 < x["fraction"] * x["bandwidth_gb_s"] / x["gb_s"] < 2 for x in data["decode"])

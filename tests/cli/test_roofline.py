@@ -42,3 +42,32 @@ def test_the_bytes_every_step_reads_plus_every_expert_are_the_model_less_its_emb
     before = counts.snapshot()
     counts.experts[0].tokens_routed[1] += 3
     assert counts.touched_bytes(before, counts.snapshot()) == counts.expert_bytes[0]
+
+
+@pytest.mark.parametrize("case", ["ds-noqlora-greedy", "qwen3-norm-topk"])
+def test_prefill_phases_count_the_flops_the_model_s_weights_imply(checkpoints, case, monkeypatch):
+    """The phase hooks count each linear, router and expert call as it runs; their FLOPs over a prefill equal the
+    count derived from the parameters alone (Counts), and the phases' times fit inside the step's."""
+    import time
+
+    from afd.cli.roofline_phases import GEMM_PHASES, PhaseTimer, gemm_totals, phase_rows
+    from afd.models import deepseek_v2
+
+    monkeypatch.setattr(deepseek_v2.MLAttention, "_absorbed_is_cheaper", lambda self, q, length: False)  # kv_b_proj as a call
+    model = load_model(checkpoints[case][0], dtype="float32")[0]
+    prompts = [[3, 17, 44, 9, 120, 31, 5, 77, 8], [2, 200, 13, 7, 2, 9]]
+    runner, blocks = support.runner_and_blocks(model, 4, 64, 2)
+    timer = PhaseTimer(model)
+    t0 = time.perf_counter()
+    runner.execute([t for p in prompts for t in p], [support.new_chunk(blocks, i, p) for i, p in enumerate(prompts)])
+    step = time.perf_counter() - t0
+    phases = timer.close(step)
+    assert sum(phases[n].flops for n in GEMM_PHASES if n in phases) == Counts(model).prefill_flops(sum(map(len, prompts)), len(prompts))
+    assert {"attention projections", "routed experts", "router", "LM head", "attention core", "other"} <= set(phases)
+    assert sum(p.seconds for p in phases.values()) == pytest.approx(step) and all(p.seconds >= 0 for p in phases.values())
+    assert not model.model.layers[0].self_attn._forward_hooks, "the hooks outlive the timer"
+    rows = phase_rows(phases, step, peak=1e12, bandwidth=1e10)
+    experts = next(r for r in rows if r["phase"] == "routed experts")
+    # an expert takes a few rows here: a few FLOPs per byte, so its bound is the bandwidth's, not the peak
+    assert experts["flop_per_byte"] < 20 and experts["bound_gflop_s"] == pytest.approx(experts["flop_per_byte"] * 10)
+    assert 0 < gemm_totals(phases, 1e12, 1e10)["gflop_s"]
