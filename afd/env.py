@@ -24,6 +24,8 @@ VARIABLES: dict[str, str] = {
     "AFD_FFN_DELAY_MS": "testing/benchmarks only: FFN ranks sleep this long per computed batch (a slow FFN side)",
     "AFD_SEND_JITTER_MS": "testing only: every rank sleeps a random 0..N ms before each message it sends (arrival order varies)",
     "AFD_KERNELS": "0: never build or use afd's native CPU kernels (afd/kernels), run the pure-torch paths (default 1)",
+    "AFD_KERNELS_MARCH": "the CPU the native kernels are built for, as gcc's -march (default native; x86-64-v3: the AVX2 "
+                         "paths only, as an AVX2 CPU runs them, on a newer one)",
     "AFD_FAULT": "testing only: inject a protocol fault on attention rank 0's N-th work message "
     "(corrupt-header|wrong-layer|wrong-seq|truncate[@N], default N=3); engine-step@N: a replica's N-th step raises; "
     "ffn-kill@N / ffn-hang@N: the last FFN rank SIGKILLs / SIGSTOPs itself on receiving its N-th work part",
@@ -58,6 +60,14 @@ def kernels_enabled() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"AFD_KERNELS must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def kernels_march() -> str:
+    """AFD_KERNELS_MARCH (default native): gcc's -march for the native kernels' build."""
+    value = os.environ.get("AFD_KERNELS_MARCH", "native")
+    if not value or not all(c.isalnum() or c in "-_." for c in value):
+        raise ValueError(f"AFD_KERNELS_MARCH must be a gcc -march name such as native or x86-64-v3, got {value!r}")
+    return value
 
 
 def io_log() -> bool:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 
 from afd.cli.bench_models import add_model_args, kv_bytes_per_token, load_for_bench, make_engine
+from afd import env
 from afd.cli.common import print_table
 from afd.cli.roofline_phases import PhaseTimer, gemm_totals, phase_rows
 
@@ -71,6 +73,16 @@ def instruction_sets(flags: set[str]) -> str:
     """The vector and matrix sets that decide a CPU kernel's speed, as /proc/cpuinfo names them."""
     named = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "asimd", "sve")
     return " ".join(f for f in named if f in flags) or "none of the named sets"
+
+
+#: besides AFD_KERNELS_MARCH (afd's kernels), what makes this run use fewer instructions than the CPU has (an
+#: AVX2 machine measured on a newer one): oneDNN's, MKL's and ATen's own dispatch
+LIMITS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+
+
+def instruction_limits() -> dict[str, str]:
+    march = env.kernels_march()
+    return {**({"AFD_KERNELS_MARCH": march} if march != "native" else {}), **{k: os.environ[k] for k in LIMITS if os.environ.get(k)}}
 
 
 def native_dtypes(flags: set[str]) -> dict[str, bool]:
@@ -230,7 +242,9 @@ def compute_dtype(model) -> str:
 def run(args: argparse.Namespace) -> int:
     flags = cpu_features()
     native = native_dtypes(flags)
-    print(f"machine: {instruction_sets(flags)}; torch threads {torch.get_num_threads()}", file=sys.stderr, flush=True)
+    limits = instruction_limits()
+    print(f"machine: {instruction_sets(flags)}; torch threads {torch.get_num_threads()}"
+          + (f"; limited to: {' '.join(f'{k}={v}' for k, v in limits.items())}" if limits else ""), file=sys.stderr, flush=True)
     probe = ReadProbe(args.bandwidth_mib)
     bandwidth = probe.median(args.runs)
     peaks = {d: gemm_peak(d, args.runs, args.gemm_sizes) for d in native}
@@ -265,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
               f"{p['gemms']['of_peak']:.2f}x, {p['gemms']['of_bound']:.2f}x of their bounds)" for p in prefills]
     print(f"summary: {label} ({instruction_sets(flags)}): " + "; ".join(parts))
     if args.json_out:
-        result = {"bench": "roofline", "model": label, "compute_dtype": dtype, "instruction_sets": instruction_sets(flags),
+        result = {"bench": "roofline", "model": label, "compute_dtype": dtype, "instruction_sets": instruction_sets(flags), "limited_to": limits,
                   "threads": torch.get_num_threads(), "read_bandwidth_gb_s": bandwidth / 1e9,
                   "gemm_peak_gflop_s": {d: p / 1e9 for d, (p, _) in peaks.items()}, "native": native,
                   "decode": decodes, "prefill": prefills}

@@ -53,10 +53,12 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("ops.cpp", "p
                                                                         "gated_deltanet.cpp", "int8_linear.cpp", "amx.cpp",
                                                                         "mla_decode.cpp"))
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("simd.h", "small_linear.h", "int8_linear.h"))
-#: -march=native: the library is built on the machine that runs it; OpenMP's simd pragmas vectorize the
-#: reductions without -ffast-math (the order of a dot product's sum changes, nothing else); -fopenmp makes
-#: at::parallel_for use torch's threads (without it the header-inlined loop runs on one)
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
+def cflags() -> tuple[str, ...]:
+    """-march=native (``AFD_KERNELS_MARCH``): the library is built on the machine that runs it, for its CPU (or an
+    older one's instructions, to measure what that CPU would run); OpenMP's simd pragmas vectorize the reductions
+    without -ffast-math (the order of a dot product's sum changes, nothing else); -fopenmp makes at::parallel_for
+    use torch's threads (without it the header-inlined loop runs on one)."""
+    return ("-O3", f"-march={env.kernels_march()}", "-fopenmp")
 
 
 def _cpu_flags() -> str:
@@ -70,13 +72,14 @@ def _cpu_flags() -> str:
 
 
 def _name() -> str:
-    """The library's name: a hash of the sources (their text and their place), the flags and the CPU."""
+    """The library's name: a hash of the sources (their text and their place), the flags (the -march among them) and
+    the CPU."""
     digest = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     # the sources' directory too: torch's builder writes their absolute paths into the build, so two checkouts
     # sharing one name would rebuild over each other's library (a 40-70 s stall on every switch)
-    digest.update(" ".join((*CFLAGS, platform.machine(), _cpu_flags(), str(SOURCES[0].parent.resolve()))).encode())
+    digest.update(" ".join((*cflags(), platform.machine(), _cpu_flags(), str(SOURCES[0].parent.resolve()))).encode())
     return f"afd_kernels_{digest.hexdigest()[:12]}"
 
 
@@ -87,7 +90,7 @@ def build(name: str) -> None:
     process that serves has its environment changed."""
     from torch.utils import cpp_extension
 
-    cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+    cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=list(cflags()), extra_ldflags=["-fopenmp"],
                        verbose=False)
 
 
@@ -113,6 +116,7 @@ def ops() -> ModuleType | None:
     (concurrent builders wait for one build: torch's lock in the build directory)."""
     if not env.kernels_enabled():
         return None
+    env.kernels_march()  # a bad value is the user's error to see, not a reason to run the torch paths
     try:
         from torch.utils import cpp_extension
 
