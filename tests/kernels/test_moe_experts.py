@@ -132,6 +132,36 @@ def test_bf16_experts_on_amx_tiles_are_as_close_as_the_loop_and_run_no_aten_op_p
         assert torch.equal(got, want), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("skewed", [False, True])
+def test_bf16_experts_side_by_side_on_the_threads_equal_one_at_a_time(skewed):
+    """On AMX-BF16, experts whose rows are spread run side by side, one a thread (a fixed split), each thread its own
+    output rows summed at the end; one expert holding most rows (skewed) runs alone, split over the threads. Both as close to
+    float64 as the Python loop, at 1 thread and at 2 (where side by side runs), and as close to each other."""
+    kernels = native_ops()
+    x = torch.randn(300, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    ids, weights = routing(300, 3, 8)
+    if skewed:  # one slot each, expert 0 for all but a few tokens: more than a thread's share of the rows
+        ids[:, 1:] = -1
+        ids[10:, 0] = 0
+    experts = make_experts(list(range(8)), hidden=64, inter=32, dtype=torch.bfloat16)
+    dense = dense_reference(experts, x, ids, weights)
+    loop = (experts.reference(x, ids, weights).double() - dense).abs().max()
+    threads = torch.get_num_threads()
+    try:
+        got = {}
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got[n] = experts(x, ids, weights).double()
+    finally:
+        torch.set_num_threads(threads)
+    if not kernels.moe_experts_bf16_tiles:
+        assert torch.equal(got[1], got[2])
+    for out in got.values():
+        assert (out - dense).abs().max() <= 2 * loop + 1e-2 * dense.abs().max()
+    # the two differ only by the order the partial outputs of a token's slots are added: a bf16 rounding at most
+    assert torch.allclose(got[1], got[2], rtol=1e-2, atol=1e-2 * dense.abs().max().item())
+
+
 def test_native_experts_refuse_an_expert_id_out_of_range():
     experts = make_experts(list(range(8)))
     ids = torch.tensor([[0, 8]])  # local index 8 of 8 experts

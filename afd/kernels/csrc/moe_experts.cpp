@@ -8,12 +8,15 @@
 //   precision this path rounds once, at the end (the Python loop rounds after every op): it agrees with the
 //   loop to the loop's own rounding, not bit for bit. bf16 experts of more than 4 rows each take this loop too, at any
 //   size, where the CPU has AMX-BF16 (amx.cpp's tiles; H and I multiples of 32): x's rows gathered as bf16, float32
-//   products in chunks of up to 512 rows, the activation rounded to bf16 once for the down GEMM (the built-in model's 32-row decode: 0.51 -> 0.25 ms a layer).
+//   products in chunks of up to 512 rows, the activation rounded to bf16 once for the down GEMM (the built-in model's 32-row decode: 0.51 -> 0.25 ms a layer);
+//   the experts side by side on the threads where their rows are spread (V2-Lite's 64 experts: 1.13x at 64 and at
+//   2,048 tokens).
 // * Otherwise (prefill, or neither instruction set): the same ATen ops, in the same order, as GroupedExperts.reference's
 //   per-expert loop (afd/models/layers.py), without a Python round trip per op, so bit for bit its output
 //   (its GEMMs are small_linear's, which the loop's ``linear`` calls too).
 //
-// Both group the (token, slot) rows by expert with a counting sort in plain C++.
+// Both group the (token, slot) rows by expert with a counting sort in plain C++ (moe_experts.h; the W8A8 experts'
+// loop, moe_experts_int8.cpp, too).
 //
 //   x          [T, H]        tokens (any float dtype)
 //   local_ids  [T, k] int64  the local index (0..E-1) of each token's k-th expert, -1 where it is not held here
@@ -38,15 +41,16 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "int8_linear.h"
-#include "simd.h"
+#include "moe_experts.h"
 #include "small_linear.h"
 
 
-namespace {
+namespace afd_moe {
 
 // One expert's MXFP4 weight decoded: blocks [R, G, 16] uint8, scales [R, G] uint8 -> [R, 32 G] in dtype.
 at::Tensor decode_mxfp4(const at::Tensor& blocks, const at::Tensor& scales, at::ScalarType dtype) {
@@ -74,55 +78,6 @@ at::Tensor decode_mxfp4(const at::Tensor& blocks, const at::Tensor& scales, at::
   return out;
 }
 
-// What the experts compute besides their two GEMMs: biases and the activation.
-struct ExpertMath {
-  c10::optional<at::Tensor> gate_up_bias, down_bias;  // [E, 2I], [E, H]
-  c10::optional<double> limit;                         // the clamped SwiGLU (gpt-oss, DeepSeek-V4)
-  double alpha, offset;
-  c10::optional<at::Tensor> gate_up_scales, down_scales;  // MXFP4: the weights are blocks
-  at::ScalarType dtype;                                    // what MXFP4 weights decode into
-
-  // Expert e's weights, as the GEMMs take them.
-  at::Tensor gate_up(const at::Tensor& w, int64_t e) const { return gate_up_scales ? decode_mxfp4(w[e], (*gate_up_scales)[e], dtype) : w[e]; }
-  at::Tensor down(const at::Tensor& w, int64_t e) const { return down_scales ? decode_mxfp4(w[e], (*down_scales)[e], dtype) : w[e]; }
-};
-
-// silu(gate) * up, or the clamped form, over one row of I channels (gate then up in g); vectorised with simd.h's exp
-// where the build has it (a scalar std::exp per channel had been most of a prefill's expert time: 1,024 rows x 192).
-inline void activation(const float* g, float* a, int64_t inter, const ExpertMath& math) {
-  const bool clamped = math.limit.has_value();
-  const float limit = clamped ? static_cast<float>(*math.limit) : 0.f;
-  const float alpha = clamped ? static_cast<float>(math.alpha) : 1.f, offset = clamped ? static_cast<float>(math.offset) : 0.f;
-  int64_t c = 0;
-#if defined(AFD_SIMD)
-  using namespace afd_simd;
-  const vfloat one = set1(1.f);
-  for (; c + kLanes <= inter; c += kLanes) {
-    vfloat gate = load(g + c), up = load(g + inter + c);
-    if (clamped) {
-      gate = min(gate, set1(limit));
-      up = add(min(max(up, set1(-limit)), set1(limit)), set1(offset));
-    }
-    store(a + c, div(mul(up, gate), add(one, afd_simd::exp(mul(gate, set1(-alpha))))));
-  }
-#endif
-  for (; c < inter; ++c) {
-    float gate = g[c], up = g[inter + c];
-    if (clamped) {
-      gate = std::min(gate, limit);
-      up = std::min(std::max(up, -limit), limit) + offset;
-    }
-    a[c] = up * gate / (1.f + std::exp(-alpha * gate));
-  }
-}
-
-// The (token, slot) rows grouped by expert with a counting sort: expert e's rows are rows[count[e] .. count[e + 1]),
-// in row order (as a stable sort gives).
-struct Grouped {
-  std::vector<int64_t> count, rows, per_expert;
-  int64_t most = 0;  // the most rows one expert took
-};
-
 Grouped group_by_expert(const at::Tensor& local_ids, int64_t num_experts) {
   const at::Tensor ids = local_ids.contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -143,6 +98,12 @@ Grouped group_by_expert(const at::Tensor& local_ids, int64_t num_experts) {
   return g;
 }
 
+}  // namespace afd_moe
+
+using namespace afd_moe;
+
+namespace {
+
 // Whether the decode path takes bf16 experts on AMX-BF16 tiles (any number of rows, in chunks): both GEMMs' K (H, then
 // I) a multiple of 32 and N at least 32 (ops.cpp: ``moe_experts_bf16_tiles``).
 bool experts_take_tiles(at::ScalarType dtype, int64_t most, int64_t hidden, int64_t inter) {
@@ -152,8 +113,10 @@ bool experts_take_tiles(at::ScalarType dtype, int64_t most, int64_t hidden, int6
 // The decode path (see the top): out [T, H] float32 += weight * expert(x row) for every held (token, slot) row. With
 // `tiles` (bfloat16 on AMX-BF16, amx.cpp; H and I multiples of 32) the GEMMs take bf16 rows and return float32: x's
 // rows are gathered as they are, the activation rounded to bf16 once for the down GEMM, and an expert's rows go
-// through in chunks of up to amx_bf16_gemm_max_rows() (each chunk reads the expert's W once; the rows between the
-// GEMMs are split over the threads, an expert's rows being distinct tokens).
+// through in chunks of up to amx_bf16_gemm_max_rows() (each chunk reads the expert's W once). The chunks run side by
+// side, one a thread (each thread its own scratch and output rows, summed at the end), where no expert holds more than
+// a thread's share of the rows: no barrier between an expert's steps, and one thread's weight reads overlap the
+// other's tile products. Otherwise one chunk at a time, each GEMM and the rows between them split over the threads.
 at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
                             const std::vector<int64_t>& count, const std::vector<int64_t>& rows, int64_t k, int64_t most,
                             const ExpertMath& math, int64_t inter, bool tiles = false) {
@@ -165,19 +128,25 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
   const float* xs = tiles ? nullptr : x32.data_ptr<float>();
   const float* ws = w32.data_ptr<float>();
   at::Tensor out = at::zeros({x.size(0), hidden}, x.options().dtype(at::kFloat));
-  float* os = out.data_ptr<float>();
-  std::vector<float> xe(tiles ? 0 : chunk * hidden), gate_and_up(chunk * 2 * inter), act(chunk * inter), ye(chunk * hidden);
-  std::vector<c10::BFloat16> xe16(tiles ? chunk * hidden : 0), act16(tiles ? chunk * inter : 0);
-  const auto product = [&](bool first, int64_t e, int64_t n) {  // the gate/up (first) or the down GEMM of expert e's n rows
+  struct Scratch {  // one chunk's rows through the expert
+    std::vector<float> xe, gate_and_up, act, ye;
+    std::vector<c10::BFloat16> xe16, act16;
+  };
+  const auto scratch = [&] {
+    return Scratch{std::vector<float>(tiles ? 0 : chunk * hidden), std::vector<float>(chunk * 2 * inter), std::vector<float>(chunk * inter),
+                   std::vector<float>(chunk * hidden), std::vector<c10::BFloat16>(tiles ? chunk * hidden : 0),
+                   std::vector<c10::BFloat16>(tiles ? chunk * inter : 0)};
+  };
+  const auto product = [&](Scratch& s, bool first, int64_t e, int64_t n) {  // the gate/up (first) or the down GEMM of expert e's n rows
     const at::Tensor w = first ? math.gate_up(gate_up, e) : math.down(down, e);
     const int64_t k_len = first ? hidden : inter, n_len = first ? 2 * inter : hidden;
-    float* dst = first ? gate_and_up.data() : ye.data();
-    const bool done = tiles ? (w.is_contiguous() && bf16_gemm_amx(first ? xe16.data() : act16.data(), n, k_len,
+    float* dst = first ? s.gate_and_up.data() : s.ye.data();
+    const bool done = tiles ? (w.is_contiguous() && bf16_gemm_amx(first ? s.xe16.data() : s.act16.data(), n, k_len,
                                                                    w.data_ptr<c10::BFloat16>(), n_len, dst))
-                            : small_gemm(first ? xe.data() : act.data(), n, k_len, w, dst);
+                            : small_gemm(first ? s.xe.data() : s.act.data(), n, k_len, w, dst);
     TORCH_CHECK(done, "moe_experts: ", first ? "gate_up" : "down", " is not contiguous");
   };
-  const auto rows_in_parallel = [&](int64_t n, const std::function<void(int64_t)>& row) {  // decode sizes: this thread
+  const auto rows_in_parallel = [&](int64_t n, const std::function<void(int64_t)>& row) {  // decode sizes, or side by side: this thread
     if (n < 32) {
       for (int64_t i = 0; i < n; ++i) row(i);
     } else {
@@ -189,43 +158,72 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
   at::Tensor b1, b2;  // the biases in float32, or undefined
   if (math.gate_up_bias) b1 = math.gate_up_bias->to(at::kFloat).contiguous();
   if (math.down_bias) b2 = math.down_bias->to(at::kFloat).contiguous();
-  for (int64_t e = 0; e < num_experts; ++e) {
-    for (int64_t c0 = count[e]; c0 < count[e + 1]; c0 += chunk) {
-      const int64_t n = std::min(chunk, count[e + 1] - c0);
-      const int64_t* slot_rows = rows.data() + c0;
-      rows_in_parallel(n, [&](int64_t i) {
-        if (tiles)
-          std::memcpy(xe16.data() + i * hidden, x16.data_ptr<c10::BFloat16>() + (slot_rows[i] / k) * hidden, hidden * sizeof(c10::BFloat16));
-        else
-          std::memcpy(xe.data() + i * hidden, xs + (slot_rows[i] / k) * hidden, hidden * sizeof(float));
-      });
-      product(true, e, n);
-      rows_in_parallel(n, [&](int64_t i) {
-        float* g = gate_and_up.data() + i * 2 * inter;
-        if (b1.defined()) {
-          const float* b = b1.data_ptr<float>() + e * 2 * inter;
-          for (int64_t c = 0; c < 2 * inter; ++c) g[c] += b[c];
-        }
-        float* a = act.data() + i * inter;
-        activation(g, a, inter, math);
-        if (tiles)
-          for (int64_t c = 0; c < inter; ++c) act16[i * inter + c] = c10::BFloat16(a[c]);
-      });
-      product(false, e, n);
-      const float* bias = b2.defined() ? b2.data_ptr<float>() + e * hidden : nullptr;
-      rows_in_parallel(n, [&](int64_t i) {
-        const float w = ws[slot_rows[i]];
-        const float* y = ye.data() + i * hidden;
-        float* o = os + (slot_rows[i] / k) * hidden;
-        if (bias != nullptr) {  // the expert's bias, then its weight
+  // expert e's rows c0 .. c0 + n through it, each weighted into its token's row of os
+  const auto run_chunk = [&](Scratch& s, float* os, int64_t e, int64_t c0, int64_t n) {
+    const int64_t* slot_rows = rows.data() + c0;
+    rows_in_parallel(n, [&](int64_t i) {
+      if (tiles)
+        std::memcpy(s.xe16.data() + i * hidden, x16.data_ptr<c10::BFloat16>() + (slot_rows[i] / k) * hidden, hidden * sizeof(c10::BFloat16));
+      else
+        std::memcpy(s.xe.data() + i * hidden, xs + (slot_rows[i] / k) * hidden, hidden * sizeof(float));
+    });
+    product(s, true, e, n);
+    rows_in_parallel(n, [&](int64_t i) {
+      float* g = s.gate_and_up.data() + i * 2 * inter;
+      if (b1.defined()) {
+        const float* b = b1.data_ptr<float>() + e * 2 * inter;
+        for (int64_t c = 0; c < 2 * inter; ++c) g[c] += b[c];
+      }
+      float* a = s.act.data() + i * inter;
+      activation(g, a, inter, math);
+      if (tiles)
+        for (int64_t c = 0; c < inter; ++c) s.act16[i * inter + c] = c10::BFloat16(a[c]);
+    });
+    product(s, false, e, n);
+    const float* bias = b2.defined() ? b2.data_ptr<float>() + e * hidden : nullptr;
+    rows_in_parallel(n, [&](int64_t i) {
+      const float w = ws[slot_rows[i]];
+      const float* y = s.ye.data() + i * hidden;
+      float* o = os + (slot_rows[i] / k) * hidden;
+      if (bias != nullptr) {  // the expert's bias, then its weight
 #pragma omp simd
-          for (int64_t c = 0; c < hidden; ++c) o[c] += w * (y[c] + bias[c]);
-        } else {
+        for (int64_t c = 0; c < hidden; ++c) o[c] += w * (y[c] + bias[c]);
+      } else {
 #pragma omp simd
-          for (int64_t c = 0; c < hidden; ++c) o[c] += w * y[c];
-        }
-      });
+        for (int64_t c = 0; c < hidden; ++c) o[c] += w * y[c];
+      }
+    });
+  };
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // (expert, first row) of every chunk
+  for (int64_t e = 0; e < num_experts; ++e)
+    for (int64_t c0 = count[e]; c0 < count[e + 1]; c0 += chunk) chunks.emplace_back(e, c0);
+  const auto rows_of = [&](const std::pair<int64_t, int64_t>& c) { return std::min(chunk, count[c.first + 1] - c.second); };
+  const int64_t threads = at::get_num_threads();
+  if (tiles && threads > 1 && most * threads <= count[num_experts] && static_cast<int64_t>(chunks.size()) >= threads) {
+    // the chunks dealt out largest first, each to the thread with the least work so far (its rows, plus 64 for the
+    // weights it reads): a fixed split, so which thread computes which expert does not depend on timing
+    std::vector<int64_t> order(chunks.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return rows_of(chunks[a]) > rows_of(chunks[b]); });
+    std::vector<std::vector<int64_t>> mine(threads);
+    std::vector<int64_t> work(threads, 0);
+    for (const int64_t i : order) {
+      const int64_t t = std::min_element(work.begin(), work.end()) - work.begin();
+      mine[t].push_back(i), work[t] += rows_of(chunks[i]) + 64;
     }
+    std::vector<at::Tensor> partial(threads);  // thread 0 adds into out itself
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        Scratch s = scratch();
+        float* os = t == 0 ? out.data_ptr<float>() : (partial[t] = at::zeros_like(out)).data_ptr<float>();
+        for (const int64_t i : mine[t]) run_chunk(s, os, chunks[i].first, chunks[i].second, rows_of(chunks[i]));
+      }
+    });
+    for (const at::Tensor& p : partial)
+      if (p.defined()) out.add_(p);
+  } else {
+    Scratch s = scratch();
+    for (const auto& c : chunks) run_chunk(s, out.data_ptr<float>(), c.first, c.second, rows_of(c));
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
@@ -296,111 +294,4 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
     out.index_put_({row_index}, (ye * flat_weights.index_select(0, row_index).unsqueeze(1)).to(out.scalar_type()));
   }
   return {out.view({num_tokens, k, -1}).sum(1), at::tensor(per_expert, index_options)};
-}
-
-// W8A8 experts (afd/models/int8.py; GroupedExperts.hold_int8): int8 weights with per-row float32 scales, activations
-// quantised per token. Per expert that has rows: its tokens' int8 rows (quantised once per token here, or as they
-// were sent: ``q``, ``q_scale`` from an int8 dispatch, read without a round trip through x), the int8 gate/up
-// GEMM (int8_linear.cpp's tiles at decode sizes, oneDNN's past them), the epilogue acc * s_x * s_w (+ b), the
-// activation, its rows quantised, the int8 down GEMM, its epilogue, each row weighted into its token's float32
-// output. The op order is GroupedExperts.reference's with ``int8_linear`` (the Python loop it replaces); what
-// differs is float32 kept between the ops in half precision, and libm's exp in the activation, so it agrees with
-// the loop to the rounding of an activation quantum, not bit for bit.
-//
-//   x [T, H] float; q [T, H] int8 and q_scale [T, 1] float32, optional (both or neither)
-//   gate_up [E, 2I, H], down [E, H, I] int8; gate_up_scale [E, 2I], down_scale [E, H] float32
-//   gate_up_row_bias [E, 2I], down_row_bias [E, H] int32: int8_row_bias of each, for the VNNI tiles (optional)
-//   the rest as moe_experts
-std::tuple<at::Tensor, at::Tensor> moe_experts_int8(const at::Tensor& x, const c10::optional<at::Tensor>& q,
-                                                    const c10::optional<at::Tensor>& q_scale, const at::Tensor& local_ids,
-                                                    const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
-                                                    const at::Tensor& gate_up_scale, const at::Tensor& down_scale,
-                                                    const c10::optional<at::Tensor>& gate_up_row_bias,
-                                                    const c10::optional<at::Tensor>& down_row_bias,
-                                                    const c10::optional<at::Tensor>& gate_up_bias, const c10::optional<at::Tensor>& down_bias,
-                                                    c10::optional<double> swiglu_limit, double swiglu_alpha, double swiglu_offset) {
-  TORCH_CHECK(x.dim() == 2 && x.is_cpu() && local_ids.dim() == 2 && local_ids.size(0) == x.size(0) && local_ids.scalar_type() == at::kLong &&
-                  weights.sizes() == local_ids.sizes(),
-              "x must be [T, H] on the CPU, local_ids [T, k] int64, weights [T, k]");
-  TORCH_CHECK(q.has_value() == q_scale.has_value(), "int8 rows need their scales");
-  const int64_t num_tokens = x.size(0), hidden = x.size(1), k = local_ids.size(1), num_experts = gate_up.size(0);
-  TORCH_CHECK(gate_up.scalar_type() == at::kChar && down.scalar_type() == at::kChar && gate_up.dim() == 3 && down.dim() == 3 &&
-                  gate_up.is_contiguous() && down.is_contiguous() && down.size(0) == num_experts && gate_up.size(2) == hidden &&
-                  down.size(1) == hidden && gate_up.size(1) == 2 * down.size(2),
-              "int8 expert weights must be contiguous gate_up [E, 2I, H] and down [E, H, I], got ", gate_up.sizes(), ", ", down.sizes());
-  const int64_t inter = down.size(2);
-  TORCH_CHECK(gate_up_scale.scalar_type() == at::kFloat && down_scale.scalar_type() == at::kFloat &&
-                  gate_up_scale.sizes() == gate_up.sizes().slice(0, 2) && down_scale.sizes() == down.sizes().slice(0, 2),
-              "int8 expert scales must be float32 [E, 2I] and [E, H]");
-  if (q) TORCH_CHECK(q->scalar_type() == at::kChar && q->sizes() == x.sizes() && q_scale->scalar_type() == at::kFloat && q_scale->numel() == num_tokens,
-                     "q must be int8 [T, H] like x, q_scale float32 [T, 1]");
-  const bool vnni = int8_needs_row_bias();
-  const at::Tensor rb1 = vnni && gate_up_row_bias ? gate_up_row_bias->contiguous() : at::Tensor();
-  const at::Tensor rb2 = vnni && down_row_bias ? down_row_bias->contiguous() : at::Tensor();
-  const ExpertMath math{gate_up_bias, down_bias, swiglu_limit, swiglu_alpha, swiglu_offset, c10::nullopt, c10::nullopt, x.scalar_type()};
-  const Grouped grouped = group_by_expert(local_ids, num_experts);
-  // every token's int8 row and scale, once: as sent, or quantised here
-  at::Tensor xq, xs;
-  if (q) {
-    xq = q->contiguous(), xs = q_scale->reshape({-1}).contiguous();
-  } else {
-    const at::Tensor x32 = x.to(at::kFloat).contiguous();
-    xq = at::empty({num_tokens, hidden}, x.options().dtype(at::kChar)), xs = at::empty({num_tokens}, x.options().dtype(at::kFloat));
-    at::parallel_for(0, num_tokens, 16, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        xs.data_ptr<float>()[t] = quantize_row(x32.data_ptr<float>() + t * hidden, hidden, xq.data_ptr<int8_t>() + t * hidden);
-    });
-  }
-  const at::Tensor w32 = weights.to(at::kFloat).contiguous();
-  at::Tensor b1, b2;
-  if (gate_up_bias) b1 = gate_up_bias->to(at::kFloat).contiguous();
-  if (down_bias) b2 = down_bias->to(at::kFloat).contiguous();
-  at::Tensor out = at::zeros({num_tokens, hidden}, x.options().dtype(at::kFloat));
-  float* os = out.data_ptr<float>();
-  const int64_t most = grouped.most;
-  std::vector<int8_t> qe(most * hidden), qa(most * inter);
-  std::vector<float> se(most), sa(most), gate_and_up(most * 2 * inter), act(most * inter);
-  std::vector<int32_t> acc(most * std::max(2 * inter, hidden));
-  // acc [n, N] = a [n, K] . w [N, K]^T in int32
-  const auto gemm = [&](const int8_t* a, int64_t n, int64_t k_len, const int8_t* w, const at::Tensor& row_bias, int64_t e, int64_t n_len) {
-    const int32_t* bias = row_bias.defined() ? row_bias.data_ptr<int32_t>() + e * n_len : nullptr;
-    if (int8_gemm(a, n, k_len, w, bias, n_len, acc.data())) return;
-    const auto int8 = at::TensorOptions().dtype(at::kChar);
-    const at::Tensor product = at::_int_mm(at::from_blob(const_cast<int8_t*>(a), {n, k_len}, int8),
-                                           at::from_blob(const_cast<int8_t*>(w), {n_len, k_len}, int8).t());
-    std::memcpy(acc.data(), product.data_ptr<int32_t>(), n * n_len * sizeof(int32_t));
-  };
-  for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t n = grouped.per_expert[e];
-    if (n == 0) continue;
-    const int64_t* slot_rows = grouped.rows.data() + grouped.count[e];
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = slot_rows[i] / k;
-      std::memcpy(qe.data() + i * hidden, xq.data_ptr<int8_t>() + t * hidden, hidden);
-      se[i] = xs.data_ptr<float>()[t];
-    }
-    gemm(qe.data(), n, hidden, gate_up.data_ptr<int8_t>() + e * 2 * inter * hidden, rb1, e, 2 * inter);
-    const float* gs = gate_up_scale.data_ptr<float>() + e * 2 * inter;
-    for (int64_t i = 0; i < n; ++i) {  // as int8.py: (acc * s_x) * s_w (+ b)
-      float* g = gate_and_up.data() + i * 2 * inter;
-      for (int64_t c = 0; c < 2 * inter; ++c) g[c] = static_cast<float>(acc[i * 2 * inter + c]) * se[i] * gs[c];
-      if (b1.defined())
-        for (int64_t c = 0; c < 2 * inter; ++c) g[c] += b1.data_ptr<float>()[e * 2 * inter + c];
-      activation(g, act.data() + i * inter, inter, math);
-      sa[i] = quantize_row(act.data() + i * inter, inter, qa.data() + i * inter);
-    }
-    gemm(qa.data(), n, inter, down.data_ptr<int8_t>() + e * hidden * inter, rb2, e, hidden);
-    const float* ds = down_scale.data_ptr<float>() + e * hidden;
-    const float* bias = b2.defined() ? b2.data_ptr<float>() + e * hidden : nullptr;
-    for (int64_t i = 0; i < n; ++i) {
-      const float w = w32.data_ptr<float>()[slot_rows[i]];
-      const int32_t* a = acc.data() + i * hidden;
-      float* o = os + (slot_rows[i] / k) * hidden;
-      for (int64_t c = 0; c < hidden; ++c) {
-        const float y = static_cast<float>(a[c]) * sa[i] * ds[c];
-        o[c] += w * (bias != nullptr ? y + bias[c] : y);
-      }
-    }
-  }
-  return {x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type()), at::tensor(grouped.per_expert, at::TensorOptions().dtype(at::kLong))};
 }

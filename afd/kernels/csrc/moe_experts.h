@@ -1,0 +1,69 @@
+// What moe_experts.cpp's expert loops share (the bf16/float one there, the W8A8 one in moe_experts_int8.cpp): the
+// experts' math besides their GEMMs, MXFP4 decoding, and the rows grouped by expert.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "simd.h"
+
+namespace afd_moe {
+
+// One expert's MXFP4 weight decoded: blocks [R, G, 16] uint8, scales [R, G] uint8 -> [R, 32 G] in dtype.
+at::Tensor decode_mxfp4(const at::Tensor& blocks, const at::Tensor& scales, at::ScalarType dtype);
+
+// What the experts compute besides their two GEMMs: biases and the activation.
+struct ExpertMath {
+  c10::optional<at::Tensor> gate_up_bias, down_bias;  // [E, 2I], [E, H]
+  c10::optional<double> limit;                         // the clamped SwiGLU (gpt-oss, DeepSeek-V4)
+  double alpha, offset;
+  c10::optional<at::Tensor> gate_up_scales, down_scales;  // MXFP4: the weights are blocks
+  at::ScalarType dtype;                                    // what MXFP4 weights decode into
+
+  // Expert e's weights, as the GEMMs take them.
+  at::Tensor gate_up(const at::Tensor& w, int64_t e) const { return gate_up_scales ? decode_mxfp4(w[e], (*gate_up_scales)[e], dtype) : w[e]; }
+  at::Tensor down(const at::Tensor& w, int64_t e) const { return down_scales ? decode_mxfp4(w[e], (*down_scales)[e], dtype) : w[e]; }
+};
+
+// silu(gate) * up, or the clamped form, over one row of I channels (gate then up in g); vectorised with simd.h's exp
+// where the build has it (a scalar std::exp per channel had been most of a prefill's expert time: 1,024 rows x 192).
+inline void activation(const float* g, float* a, int64_t inter, const ExpertMath& math) {
+  const bool clamped = math.limit.has_value();
+  const float limit = clamped ? static_cast<float>(*math.limit) : 0.f;
+  const float alpha = clamped ? static_cast<float>(math.alpha) : 1.f, offset = clamped ? static_cast<float>(math.offset) : 0.f;
+  int64_t c = 0;
+#if defined(AFD_SIMD)
+  using namespace afd_simd;
+  const vfloat one = set1(1.f);
+  for (; c + kLanes <= inter; c += kLanes) {
+    vfloat gate = load(g + c), up = load(g + inter + c);
+    if (clamped) {
+      gate = min(gate, set1(limit));
+      up = add(min(max(up, set1(-limit)), set1(limit)), set1(offset));
+    }
+    store(a + c, div(mul(up, gate), add(one, afd_simd::exp(mul(gate, set1(-alpha))))));
+  }
+#endif
+  for (; c < inter; ++c) {
+    float gate = g[c], up = g[inter + c];
+    if (clamped) {
+      gate = std::min(gate, limit);
+      up = std::min(std::max(up, -limit), limit) + offset;
+    }
+    a[c] = up * gate / (1.f + std::exp(-alpha * gate));
+  }
+}
+
+// The (token, slot) rows grouped by expert with a counting sort: expert e's rows are rows[count[e] .. count[e + 1]),
+// in row order (as a stable sort gives).
+struct Grouped {
+  std::vector<int64_t> count, rows, per_expert;
+  int64_t most = 0;  // the most rows one expert took
+};
+
+Grouped group_by_expert(const at::Tensor& local_ids, int64_t num_experts);
+
+}  // namespace afd_moe
