@@ -41,7 +41,6 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
-#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -199,28 +198,13 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
     for (int64_t c0 = count[e]; c0 < count[e + 1]; c0 += chunk) chunks.emplace_back(e, c0);
   const auto rows_of = [&](const std::pair<int64_t, int64_t>& c) { return std::min(chunk, count[c.first + 1] - c.second); };
   const int64_t threads = at::get_num_threads();
-  if (tiles && threads > 1 && most * threads <= count[num_experts] && static_cast<int64_t>(chunks.size()) >= threads) {
-    // the chunks dealt out largest first, each to the thread with the least work so far (its rows, plus 64 for the
-    // weights it reads): a fixed split, so which thread computes which expert does not depend on timing
-    std::vector<int64_t> order(chunks.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return rows_of(chunks[a]) > rows_of(chunks[b]); });
-    std::vector<std::vector<int64_t>> mine(threads);
-    std::vector<int64_t> work(threads, 0);
-    for (const int64_t i : order) {
-      const int64_t t = std::min_element(work.begin(), work.end()) - work.begin();
-      mine[t].push_back(i), work[t] += rows_of(chunks[i]) + 64;
-    }
-    std::vector<at::Tensor> partial(threads);  // thread 0 adds into out itself
-    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        Scratch s = scratch();
-        float* os = t == 0 ? out.data_ptr<float>() : (partial[t] = at::zeros_like(out)).data_ptr<float>();
-        for (const int64_t i : mine[t]) run_chunk(s, os, chunks[i].first, chunks[i].second, rows_of(chunks[i]));
-      }
+  std::vector<int64_t> costs;  // a chunk's rows, plus 64 for the weights it reads
+  for (const auto& c : chunks) costs.push_back(rows_of(c) + 64);
+  if (tiles && goes_side_by_side(threads, static_cast<int64_t>(chunks.size()), most, count[num_experts])) {
+    side_by_side(out, costs, threads, [&](const std::vector<int64_t>& mine, float* os) {
+      Scratch s = scratch();
+      for (const int64_t i : mine) run_chunk(s, os, chunks[i].first, chunks[i].second, rows_of(chunks[i]));
     });
-    for (const at::Tensor& p : partial)
-      if (p.defined()) out.add_(p);
   } else {
     Scratch s = scratch();
     for (const auto& c : chunks) run_chunk(s, out.data_ptr<float>(), c.first, c.second, rows_of(c));
