@@ -96,30 +96,6 @@ def int8_experts(num_experts=6, hidden=96, inter=40, bias=False, limit=None):
     return m
 
 
-@pytest.mark.parametrize("skewed", [False, True])
-def test_the_w8a8_expert_loop_side_by_side_on_the_threads_equals_one_at_a_time(skewed):
-    """Experts whose rows are spread run side by side, one a thread (a fixed split, each thread its own output rows);
-    one expert holding most rows (skewed) runs alone. At 1 thread and at 2, the loop equals the Python one to
-    float32's rounding (what differs is the order a token's slots are summed in)."""
-    m = int8_experts(hidden=128, inter=64)
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(200, 128, generator=gen)
-    ids = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(200)])
-    if skewed:  # one slot each, expert 0 for all but a few tokens
-        ids[:, 1:] = -1
-        ids[10:, 0] = 0
-    weights = torch.rand(200, 3, generator=gen)
-    ref = m.reference(x, ids, weights)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            native = m.forward(x, ids, weights)
-            assert (native - ref).abs().max() <= 1e-6 * ref.abs().max(), (n, (native - ref).abs().max(), ref.abs().max())
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 # hidden 128, inter 64: K a multiple of 64 and 32-row blocks, so AMX's tiles take the expert GEMMs where they run
 @pytest.mark.parametrize("bias, limit, hidden, inter", [(False, None, 96, 40), (True, 7.0, 96, 40), (False, None, 128, 64)])

@@ -134,8 +134,9 @@ def test_bf16_experts_on_amx_tiles_are_as_close_as_the_loop_and_run_no_aten_op_p
 
 @pytest.mark.parametrize("skewed", [False, True])
 def test_bf16_experts_side_by_side_on_the_threads_equal_one_at_a_time(skewed):
-    """On AMX-BF16, experts whose rows are spread run side by side, one a thread (a fixed split), each thread its own
-    output rows summed at the end; one expert holding most rows (skewed) runs alone, split over the threads. Both as close to
+    """On AMX-BF16, experts whose rows are spread run side by side, each thread taking the next chunk, each (token,
+    slot) row written once and a token's slots summed at the end in slot order; one expert holding most rows (skewed)
+    runs alone, split over the threads. Both as close to
     float64 as the Python loop, at 1 thread and at 2 (where side by side runs), and as close to each other."""
     kernels = native_ops()
     x = torch.randn(300, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
@@ -152,6 +153,8 @@ def test_bf16_experts_side_by_side_on_the_threads_equal_one_at_a_time(skewed):
         for n in (1, 2):
             torch.set_num_threads(n)
             got[n] = experts(x, ids, weights).double()
+            # whichever thread took which expert, the same bits every call (each (token, slot) row written once)
+            assert all(torch.equal(experts(x, ids, weights).double(), got[n]) for _ in range(3))
     finally:
         torch.set_num_threads(threads)
     if not kernels.moe_experts_bf16_tiles:

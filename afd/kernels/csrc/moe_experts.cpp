@@ -9,8 +9,8 @@
 //   loop to the loop's own rounding, not bit for bit. bf16 experts of more than 4 rows each take this loop too, at any
 //   size, where the CPU has AMX-BF16 (amx.cpp's tiles; H and I multiples of 32): x's rows gathered as bf16, float32
 //   products in chunks of up to 512 rows, the activation rounded to bf16 once for the down GEMM (the built-in model's 32-row decode: 0.51 -> 0.25 ms a layer);
-//   the experts side by side on the threads where their rows are spread (V2-Lite's 64 experts: 1.13x at 64 and at
-//   2,048 tokens).
+//   the experts side by side on the threads where their rows are spread (V2-Lite's 64 experts: 1.13x at 48 tokens;
+//   the built-in model's 8: 1.3-2.8x).
 // * Otherwise (prefill, or neither instruction set): the same ATen ops, in the same order, as GroupedExperts.reference's
 //   per-expert loop (afd/models/layers.py), without a Python round trip per op, so bit for bit its output
 //   (its GEMMs are small_linear's, which the loop's ``linear`` calls too).
@@ -39,6 +39,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -113,9 +114,11 @@ bool experts_take_tiles(at::ScalarType dtype, int64_t most, int64_t hidden, int6
 // `tiles` (bfloat16 on AMX-BF16, amx.cpp; H and I multiples of 32) the GEMMs take bf16 rows and return float32: x's
 // rows are gathered as they are, the activation rounded to bf16 once for the down GEMM, and an expert's rows go
 // through in chunks of up to amx_bf16_gemm_max_rows() (each chunk reads the expert's W once). The chunks run side by
-// side, one a thread (each thread its own scratch and output rows, summed at the end), where no expert holds more than
-// a thread's share of the rows: no barrier between an expert's steps, and one thread's weight reads overlap the
-// other's tile products. Otherwise one chunk at a time, each GEMM and the rows between them split over the threads.
+// side, each thread taking the next (largest first) with its own scratch, where no expert holds more than a thread's
+// share of the rows: no barrier between an expert's steps. Each (token, slot) row's weighted output is then written
+// once, in bf16 as the Python loop keeps it, and a token's slots are summed at the end in slot order, so the result
+// does not depend on which thread took what. Otherwise one chunk at a time, each GEMM and the rows between them split
+// over the threads.
 at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
                             const std::vector<int64_t>& count, const std::vector<int64_t>& rows, int64_t k, int64_t most,
                             const ExpertMath& math, int64_t inter, bool tiles = false) {
@@ -158,7 +161,8 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
   if (math.gate_up_bias) b1 = math.gate_up_bias->to(at::kFloat).contiguous();
   if (math.down_bias) b2 = math.down_bias->to(at::kFloat).contiguous();
   // expert e's rows c0 .. c0 + n through it, each weighted into its token's row of os
-  const auto run_chunk = [&](Scratch& s, float* os, int64_t e, int64_t c0, int64_t n) {
+  // (or, with `slots`, each weighted row into its own (token, slot) row of slots, in bf16, as the Python loop keeps them)
+  const auto run_chunk = [&](Scratch& s, float* os, int64_t e, int64_t c0, int64_t n, c10::BFloat16* slots = nullptr) {
     const int64_t* slot_rows = rows.data() + c0;
     rows_in_parallel(n, [&](int64_t i) {
       if (tiles)
@@ -183,6 +187,11 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
     rows_in_parallel(n, [&](int64_t i) {
       const float w = ws[slot_rows[i]];
       const float* y = s.ye.data() + i * hidden;
+      if (slots != nullptr) {
+        c10::BFloat16* o = slots + slot_rows[i] * hidden;
+        for (int64_t c = 0; c < hidden; ++c) o[c] = c10::BFloat16(w * (bias != nullptr ? y[c] + bias[c] : y[c]));
+        return;
+      }
       float* o = os + (slot_rows[i] / k) * hidden;
       if (bias != nullptr) {  // the expert's bias, then its weight
 #pragma omp simd
@@ -198,12 +207,35 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
     for (int64_t c0 = count[e]; c0 < count[e + 1]; c0 += chunk) chunks.emplace_back(e, c0);
   const auto rows_of = [&](const std::pair<int64_t, int64_t>& c) { return std::min(chunk, count[c.first + 1] - c.second); };
   const int64_t threads = at::get_num_threads();
-  std::vector<int64_t> costs;  // a chunk's rows, plus 64 for the weights it reads
-  for (const auto& c : chunks) costs.push_back(rows_of(c) + 64);
   if (tiles && goes_side_by_side(threads, static_cast<int64_t>(chunks.size()), most, count[num_experts])) {
-    side_by_side(out, costs, threads, [&](const std::vector<int64_t>& mine, float* os) {
+    // whichever thread is free takes the next chunk (a busy server's other threads take a core now and then: a fixed
+    // split would leave one thread spinning at the end while the other finishes), and each (token, slot) row is
+    // written once, so the sum over a token's slots, taken at the end in slot order, does not depend on who did what
+    at::Tensor slots = at::empty({x.size(0) * k, hidden}, x.options().dtype(at::kBFloat16));
+    std::vector<char> held(x.size(0) * k, 0);  // the (token, slot) rows an expert here writes
+    for (const int64_t r : rows) held[r] = 1;
+    std::vector<int64_t> order(chunks.size());  // largest first: the last chunks taken are the short ones
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return rows_of(chunks[a]) > rows_of(chunks[b]); });
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       Scratch s = scratch();
-      for (const int64_t i : mine) run_chunk(s, os, chunks[i].first, chunks[i].second, rows_of(chunks[i]));
+      for (int64_t j; (j = next++) < static_cast<int64_t>(order.size());) {
+        const auto& c = chunks[order[j]];
+        run_chunk(s, nullptr, c.first, c.second, rows_of(c), slots.data_ptr<c10::BFloat16>());
+      }
+    });
+    const c10::BFloat16* sp = slots.data_ptr<c10::BFloat16>();
+    float* os = out.data_ptr<float>();
+    at::parallel_for(0, x.size(0), 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t j = 0; j < k; ++j) {
+          if (!held[t * k + j]) continue;
+          const c10::BFloat16* row = sp + (t * k + j) * hidden;
+          float* o = os + t * hidden;
+#pragma omp simd
+          for (int64_t c = 0; c < hidden; ++c) o[c] += static_cast<float>(row[c]);
+        }
     });
   } else {
     Scratch s = scratch();

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -72,29 +71,6 @@ Grouped group_by_expert(const at::Tensor& local_ids, int64_t num_experts);
 // threads, instead of keeping one thread busy while the others wait).
 inline bool goes_side_by_side(int64_t threads, int64_t items, int64_t most_rows, int64_t rows) {
   return threads > 1 && items >= threads && most_rows * threads <= rows;
-}
-
-// body(mine, out_rows) on each of `threads` threads side by side: its share of the items (dealt largest cost first,
-// each to the thread with the least so far: a fixed split, so which thread computes what does not depend on timing)
-// and float32 output rows like out's of its own (thread 0's are out's; the others' are added into out at the end).
-template <typename Body>
-void side_by_side(at::Tensor& out, const std::vector<int64_t>& costs, int64_t threads, const Body& body) {
-  std::vector<int64_t> order(costs.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return costs[a] > costs[b]; });
-  std::vector<std::vector<int64_t>> mine(threads);
-  std::vector<int64_t> work(threads, 0);
-  for (const int64_t i : order) {
-    const int64_t t = std::min_element(work.begin(), work.end()) - work.begin();
-    mine[t].push_back(i), work[t] += costs[i];
-  }
-  std::vector<at::Tensor> partial(threads);
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      if (!mine[t].empty()) body(mine[t], static_cast<float*>((t == 0 ? out : (partial[t] = at::zeros_like(out))).data_ptr()));
-  });
-  for (const at::Tensor& p : partial)
-    if (p.defined()) out.add_(p);
 }
 
 }  // namespace afd_moe

@@ -70,69 +70,51 @@ std::tuple<at::Tensor, at::Tensor> moe_experts_int8(const at::Tensor& x, const c
   if (gate_up_bias) b1 = gate_up_bias->to(at::kFloat).contiguous();
   if (down_bias) b2 = down_bias->to(at::kFloat).contiguous();
   at::Tensor out = at::zeros({num_tokens, hidden}, x.options().dtype(at::kFloat));
+  float* os = out.data_ptr<float>();
   const int64_t most = grouped.most;
-  struct Scratch {  // one expert's rows through it
-    std::vector<int8_t> qe, qa;
-    std::vector<float> se, sa, gate_and_up, act;
-    std::vector<int32_t> acc;
-  };
-  const auto scratch = [&] {
-    return Scratch{std::vector<int8_t>(most * hidden), std::vector<int8_t>(most * inter), std::vector<float>(most), std::vector<float>(most),
-                   std::vector<float>(most * 2 * inter), std::vector<float>(most * inter), std::vector<int32_t>(most * std::max(2 * inter, hidden))};
-  };
+  std::vector<int8_t> qe(most * hidden), qa(most * inter);
+  std::vector<float> se(most), sa(most), gate_and_up(most * 2 * inter), act(most * inter);
+  std::vector<int32_t> acc(most * std::max(2 * inter, hidden));
   // acc [n, N] = a [n, K] . w [N, K]^T in int32
-  const auto gemm = [&](int32_t* acc, const int8_t* a, int64_t n, int64_t k_len, const int8_t* w, const at::Tensor& row_bias, int64_t e,
-                        int64_t n_len) {
+  const auto gemm = [&](const int8_t* a, int64_t n, int64_t k_len, const int8_t* w, const at::Tensor& row_bias, int64_t e, int64_t n_len) {
     const int32_t* bias = row_bias.defined() ? row_bias.data_ptr<int32_t>() + e * n_len : nullptr;
-    if (int8_gemm(a, n, k_len, w, bias, n_len, acc)) return;
+    if (int8_gemm(a, n, k_len, w, bias, n_len, acc.data())) return;
     const auto int8 = at::TensorOptions().dtype(at::kChar);
     const at::Tensor product = at::_int_mm(at::from_blob(const_cast<int8_t*>(a), {n, k_len}, int8),
                                            at::from_blob(const_cast<int8_t*>(w), {n_len, k_len}, int8).t());
-    std::memcpy(acc, product.data_ptr<int32_t>(), n * n_len * sizeof(int32_t));
+    std::memcpy(acc.data(), product.data_ptr<int32_t>(), n * n_len * sizeof(int32_t));
   };
-  const auto run_expert = [&](Scratch& s, float* os, int64_t e) {  // expert e's rows, each weighted into its token's row of os
+  for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t n = grouped.per_expert[e];
+    if (n == 0) continue;
     const int64_t* slot_rows = grouped.rows.data() + grouped.count[e];
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = slot_rows[i] / k;
-      std::memcpy(s.qe.data() + i * hidden, xq.data_ptr<int8_t>() + t * hidden, hidden);
-      s.se[i] = xs.data_ptr<float>()[t];
+      std::memcpy(qe.data() + i * hidden, xq.data_ptr<int8_t>() + t * hidden, hidden);
+      se[i] = xs.data_ptr<float>()[t];
     }
-    gemm(s.acc.data(), s.qe.data(), n, hidden, gate_up.data_ptr<int8_t>() + e * 2 * inter * hidden, rb1, e, 2 * inter);
+    gemm(qe.data(), n, hidden, gate_up.data_ptr<int8_t>() + e * 2 * inter * hidden, rb1, e, 2 * inter);
     const float* gs = gate_up_scale.data_ptr<float>() + e * 2 * inter;
     for (int64_t i = 0; i < n; ++i) {  // as int8.py: (acc * s_x) * s_w (+ b)
-      float* g = s.gate_and_up.data() + i * 2 * inter;
-      for (int64_t c = 0; c < 2 * inter; ++c) g[c] = static_cast<float>(s.acc[i * 2 * inter + c]) * s.se[i] * gs[c];
+      float* g = gate_and_up.data() + i * 2 * inter;
+      for (int64_t c = 0; c < 2 * inter; ++c) g[c] = static_cast<float>(acc[i * 2 * inter + c]) * se[i] * gs[c];
       if (b1.defined())
         for (int64_t c = 0; c < 2 * inter; ++c) g[c] += b1.data_ptr<float>()[e * 2 * inter + c];
-      activation(g, s.act.data() + i * inter, inter, math);
-      s.sa[i] = quantize_row(s.act.data() + i * inter, inter, s.qa.data() + i * inter);
+      activation(g, act.data() + i * inter, inter, math);
+      sa[i] = quantize_row(act.data() + i * inter, inter, qa.data() + i * inter);
     }
-    gemm(s.acc.data(), s.qa.data(), n, inter, down.data_ptr<int8_t>() + e * hidden * inter, rb2, e, hidden);
+    gemm(qa.data(), n, inter, down.data_ptr<int8_t>() + e * hidden * inter, rb2, e, hidden);
     const float* ds = down_scale.data_ptr<float>() + e * hidden;
     const float* bias = b2.defined() ? b2.data_ptr<float>() + e * hidden : nullptr;
     for (int64_t i = 0; i < n; ++i) {
       const float w = w32.data_ptr<float>()[slot_rows[i]];
-      const int32_t* a = s.acc.data() + i * hidden;
+      const int32_t* a = acc.data() + i * hidden;
       float* o = os + (slot_rows[i] / k) * hidden;
       for (int64_t c = 0; c < hidden; ++c) {
-        const float y = static_cast<float>(a[c]) * s.sa[i] * ds[c];
+        const float y = static_cast<float>(a[c]) * sa[i] * ds[c];
         o[c] += w * (bias != nullptr ? y + bias[c] : y);
       }
     }
-  };
-  std::vector<int64_t> held, costs;  // the experts with rows; each one's rows, plus 64 for the weights it reads
-  for (int64_t e = 0; e < num_experts; ++e)
-    if (grouped.per_expert[e] > 0) held.push_back(e), costs.push_back(grouped.per_expert[e] + 64);
-  const int64_t threads = at::get_num_threads();
-  if (goes_side_by_side(threads, static_cast<int64_t>(held.size()), most, grouped.count[num_experts])) {  // moe_experts.h
-    side_by_side(out, costs, threads, [&](const std::vector<int64_t>& mine, float* os) {
-      Scratch s = scratch();
-      for (const int64_t i : mine) run_expert(s, os, held[i]);
-    });
-  } else {
-    Scratch s = scratch();
-    for (const int64_t e : held) run_expert(s, out.data_ptr<float>(), e);
   }
   return {x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type()), at::tensor(grouped.per_expert, at::TensorOptions().dtype(at::kLong))};
 }
