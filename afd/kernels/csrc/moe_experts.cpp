@@ -38,8 +38,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -206,8 +206,10 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
   for (int64_t e = 0; e < num_experts; ++e)
     for (int64_t c0 = count[e]; c0 < count[e + 1]; c0 += chunk) chunks.emplace_back(e, c0);
   const auto rows_of = [&](const std::pair<int64_t, int64_t>& c) { return std::min(chunk, count[c.first + 1] - c.second); };
+  // side by side: two threads or more, a chunk each at least, and no expert holding more than a thread's share of the
+  // rows (one that does runs alone, split over the threads, instead of keeping one busy while the others wait)
   const int64_t threads = at::get_num_threads();
-  if (tiles && goes_side_by_side(threads, static_cast<int64_t>(chunks.size()), most, count[num_experts])) {
+  if (tiles && threads > 1 && static_cast<int64_t>(chunks.size()) >= threads && most * threads <= count[num_experts]) {
     // whichever thread is free takes the next chunk (a busy server's other threads take a core now and then: a fixed
     // split would leave one thread spinning at the end while the other finishes), and each (token, slot) row is
     // written once, so the sum over a token's slots, taken at the end in slot order, does not depend on who did what

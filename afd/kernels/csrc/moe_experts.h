@@ -66,11 +66,4 @@ struct Grouped {
 
 Grouped group_by_expert(const at::Tensor& local_ids, int64_t num_experts);
 
-// Whether a loop's items (experts or their chunks) go side by side, one a thread: two threads or more, at least one
-// item a thread, and no item holding more than a thread's share of the rows (one that does runs alone, split over the
-// threads, instead of keeping one thread busy while the others wait).
-inline bool goes_side_by_side(int64_t threads, int64_t items, int64_t most_rows, int64_t rows) {
-  return threads > 1 && items >= threads && most_rows * threads <= rows;
-}
-
 }  // namespace afd_moe
