@@ -4,7 +4,8 @@ A step's modules are timed by forward hooks (one step, after the timed ones, so 
 figure of the step table) and gathered into phases by what they compute:
 
 * **attention projections**: the linear layers inside a layer's attention (q, kv, o; an indexer's);
-* **attention core**: the attention module's time less its linear layers' (scores, softmax, the cache's writes);
+* **attention core**: the attention module's time less its linear layers' and norms' (scores, softmax, the cache's
+  writes);
 * **dense MLP**, **shared experts**: their linear layers; **routed experts**: ``GroupedExperts`` (its rows from the
   experts' own counters); **router**; **LM head**; **norms**; **other**: the step less every phase (embedding,
   the engine's own work, sampling).
@@ -61,8 +62,8 @@ class PhaseTimer:
                 self._hook(module, "routed experts", self._experts)
             elif isinstance(module, Router):
                 self._hook(module, "router", self._router)
-            elif isinstance(module, RMSNorm):
-                self._hook(module, "norms", None)
+            elif isinstance(module, RMSNorm):  # one inside attention (MLA's latent norms, q/k norms) is attention's too
+                self._hook(module, "attention norms" if ".self_attn." in name else "norms", None)
             elif name.endswith(".self_attn"):
                 self._hook(module, "attention", None)
 
@@ -102,9 +103,11 @@ class PhaseTimer:
         for h in self._handles:
             h.remove()
         phases = dict(self.phases)
-        attention = phases.pop("attention", Phase())
+        attention, inner_norms = phases.pop("attention", Phase()), phases.pop("attention norms", Phase())
         projections = phases.get("attention projections", Phase())
-        phases["attention core"] = Phase(max(0.0, attention.seconds - projections.seconds))
+        phases["attention core"] = Phase(max(0.0, attention.seconds - projections.seconds - inner_norms.seconds))
+        if inner_norms.seconds:
+            phases["norms"] = Phase(phases.get("norms", Phase()).seconds + inner_norms.seconds)
         phases["other"] = Phase(max(0.0, step_s - sum(p.seconds for p in phases.values())))
         return phases
 
