@@ -14,6 +14,7 @@ import torch
 from afd import env
 from afd.config import DEFAULT_FP8_MODE, DEFAULT_MXFP4_MODE, FP8_MODES, MXFP4_MODES, STATE_DTYPES, EngineArgs, Timeouts
 from afd.distributed.topology import DISPATCH_DTYPES
+from afd.runtime.procs import keep_freed_memory
 
 BUILTIN_MODEL = Path(__file__).resolve().parent.parent / "assets" / "models" / "tiny-shakespeare-moe"
 
@@ -117,6 +118,7 @@ def setup_process(verbose: bool = False) -> None:
     threads = env.num_threads()
     if threads:
         torch.set_num_threads(threads)
+    keep_freed_memory()  # a command that runs a model here (generate, bench, loopback ranks) steps like a rank
 
 
 def add_topology_args(p: argparse.ArgumentParser) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from afd.config import EngineArgs, FaultPlan, Timeouts
 from afd.engine.messages import StopServing
 from afd.runtime.messages import CoreReady, Failed
-from afd.runtime.procs import die_with_parent, exit_reason, report_failure, set_title
+from afd.runtime.procs import die_with_parent, exit_reason, keep_freed_memory, report_failure, set_title
 
 
 class EngineCoreDied(RuntimeError):
@@ -47,6 +47,7 @@ def run_core(spec: CoreSpec, conn: Connection) -> None:
     try:
         die_with_parent()
         set_title("afd core")
+        keep_freed_memory()
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s engine core %(levelname)s %(name)s: %(message)s")
         if spec.threads is not None:
             import torch

@@ -1,5 +1,6 @@
 """Process helpers every process of a run uses: dying with its parent, reporting a failure, naming itself,
-saying why a child exited, and a run directory that a later run removes if its launcher died without."""
+keeping the memory its steps free, saying why a child exited, and a run directory that a later run removes if
+its launcher died without."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from afd.runtime.messages import Failed
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+_MMAP_THRESHOLD_MAX = 32 << 20  # the largest glibc takes on 64 bits (half its heap size)
+_TRIM_THRESHOLD = (1 << 31) - 1  # mallopt's value is an int
 _OWNER = "owner"  # in a run directory: "<pid> <start time>" of the launcher that made it
 
 log = logging.getLogger(__name__)
@@ -40,6 +44,29 @@ def set_title(title: str) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_NAME, title.encode()[:15])
     except OSError:
         pass
+
+
+def keep_freed_memory() -> bool:
+    """glibc's malloc keeps what a step frees for the next step instead of handing it back to the kernel: blocks
+    up to 32 MiB come from the heap, not from a fresh mmap each, and the heap's free top is not trimmed.
+
+    A step's activations are the same few hundred MB step after step. By default glibc returns most of them
+    (mmap'd blocks unmapped when freed, the heap trimmed), so every step faults them in again: ~25,000 minor
+    faults a 4,096-token prefill of the vLLM-shaped built-in model. On a VM whose balloon reports free pages to
+    the host (Firecracker's here) a page the guest freed a while ago costs the host a fault too: the same step
+    then spent 100-430 ms in the kernel against ~20 ms, and a burst's time to first token swung 2-3x between
+    otherwise equal runs (docs/benchmarks.md). The process keeps its peak step memory instead, which the step
+    budget bounds (afd/engine/budget.py). Blocks above 32 MiB are still mapped per step (glibc's limit).
+    Not set where the user chose (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``)
+    or where the C library is not glibc. True where it was set."""
+    if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # glibc's: musl's mallopt does nothing
+    except (OSError, AttributeError):
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
 
 
 def report_failure(conn, who: str, e: BaseException) -> None:

@@ -19,7 +19,7 @@ from afd.connectors.wire import Role
 from afd.distributed.devices import device_module
 from afd.runtime.attention_rank import attention_main
 from afd.runtime.ffn_rank import ffn_main
-from afd.runtime.procs import die_with_parent, report_failure, set_title
+from afd.runtime.procs import die_with_parent, keep_freed_memory, report_failure, set_title
 from afd.runtime.spec import RankSpec
 
 
@@ -39,6 +39,7 @@ def _setup(spec: RankSpec, is_process: bool) -> None:
     if is_process:
         die_with_parent()
         set_title(spec.title)
+        keep_freed_memory()
         logging.basicConfig(level=logging.INFO if spec.link.io_log else logging.WARNING, stream=sys.stderr,
                             format=f"%(asctime)s {spec.name} %(levelname)s %(name)s: %(message)s")
         cores = spec.device.cores
