@@ -153,6 +153,14 @@ def tree_cpu(root: int) -> tuple[float, float]:
     return procs.get(root, (0, 0.0))[1], sum(procs[p][1] for p in tree - {root} if p in procs)
 
 
+def machine_ticks() -> tuple[int, int, int]:
+    """This machine's CPU ticks so far, all CPUs, from /proc/stat: busy (user, nice, system, irq, softirq), steal
+    (time the hypervisor ran something else while a vCPU wanted to run), and all of them with idle and iowait."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    return user + nice + system + irq + softirq, steal, sum(fields)
+
+
 def bench(args, url: str, backend: str, endpoint: str, out: Path, concurrency: int, seed: int = 0) -> dict:
     if args.prefix_repetition:
         p, s, n = args.prefix_repetition.split(",")
@@ -185,21 +193,24 @@ def against_vllm(args, tmp: Path, concurrencies: list[int]) -> int:
             for c in concurrencies:
                 for name, server in (("vllm serve", vllm), ("afd serve", afd)):
                     # prompts of their own per (round, concurrency), the same for both: no cache hit across runs
-                    before = tree_cpu(server.proc.pid)
+                    before, ticks = tree_cpu(server.proc.pid), machine_ticks()
                     r = bench(args, server.url, "openai", "/v1/completions", tmp / name / f"r{k}" / str(c), c, seed=1000 * k + c)
                     front, engine = (b - a for a, b in zip(before, tree_cpu(server.proc.pid)))
+                    busy, steal, total = (b - a for a, b in zip(ticks, machine_ticks()))
                     r["cpu_ms_per_token"] = {"front end": 1e3 * front / r["total_output_tokens"], "engine": 1e3 * engine / r["total_output_tokens"]}
+                    # the machine while it ran: a round that lost to steal shows it here, not only as a lower ratio
+                    r["machine"] = {"busy": busy / max(1, total), "steal": steal / max(1, total)}
                     results[(name, c, k)] = r
                     failed += r["failed"] if "failed" in r else args.num_prompts - r["completed"]
         afd_prefix = {k: server_metric(afd.url, f"afd_prefix_cache_{k}_total") for k in ("queries", "hits")}
     print(f"\nvllm bench serve: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, {args.rounds} round(s); "
           f"afd's prefix cache hit {afd_prefix['hits']:.0f} of {afd_prefix['queries']:.0f} prompt tokens")
     print(f"{'server':12} {'conc.':>5} {'round':>5} {'done':>5} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12}"
-          f" {'CPU ms/token: front end':>24} {'engine':>7}")
+          f" {'CPU ms/token: front end':>24} {'engine':>7} {'CPUs busy':>9} {'steal':>6}")
     for (name, c, k), r in results.items():
-        cpu = r["cpu_ms_per_token"]
+        cpu, machine = r["cpu_ms_per_token"], r["machine"]
         print(f"{name:12} {c:5d} {k:5d} {r['completed']:5d} {r['output_throughput']:10.1f} {r['median_ttft_ms']:12.1f} {r['median_tpot_ms']:12.1f}"
-              f" {cpu['front end']:24.2f} {cpu['engine']:7.2f}")
+              f" {cpu['front end']:24.2f} {cpu['engine']:7.2f} {machine['busy']:9.0%} {machine['steal']:6.1%}")
     print(f"\n{'concurrency':>11} {'out tok/s afd/vLLM':>24} {'TPOT p50 afd/vLLM':>24} {'TTFT p50 afd/vLLM':>24}   (median; per round)")
     summary = {}
     for c in concurrencies:
