@@ -131,11 +131,12 @@ def vllm_compatible_model(out: Path) -> Path:
     return out
 
 
-def tree_cpu(root: int) -> tuple[float, float]:
+def tree_cpu(root: int) -> tuple[float, float, float]:
     """CPU seconds (user + system) used so far by a server's root process (its HTTP front end) and by all its
-    descendants together (engine core, ranks), from Linux /proc; a process that already exited is not counted."""
+    descendants together (engine core, ranks), and the descendants' system (kernel) seconds alone, from Linux
+    /proc; a process that already exited is not counted."""
     tick = os.sysconf("SC_CLK_TCK")
-    procs: dict[int, tuple[int, float]] = {}
+    procs: dict[int, tuple[int, float, float]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -144,13 +145,14 @@ def tree_cpu(root: int) -> tuple[float, float]:
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ... utime (14th), stime (15th)
-        procs[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+        procs[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, int(fields[12]) / tick)
     tree, grown = {root}, True
     while grown:
-        new = {pid for pid, (ppid, _) in procs.items() if ppid in tree and pid not in tree}
+        new = {pid for pid, (ppid, _, _) in procs.items() if ppid in tree and pid not in tree}
         tree |= new
         grown = bool(new)
-    return procs.get(root, (0, 0.0))[1], sum(procs[p][1] for p in tree - {root} if p in procs)
+    children = [procs[p] for p in tree - {root} if p in procs]
+    return procs.get(root, (0, 0.0, 0.0))[1], sum(c[1] for c in children), sum(c[2] for c in children)
 
 
 def machine_ticks() -> tuple[int, int, int]:
@@ -195,9 +197,10 @@ def against_vllm(args, tmp: Path, concurrencies: list[int]) -> int:
                     # prompts of their own per (round, concurrency), the same for both: no cache hit across runs
                     before, ticks = tree_cpu(server.proc.pid), machine_ticks()
                     r = bench(args, server.url, "openai", "/v1/completions", tmp / name / f"r{k}" / str(c), c, seed=1000 * k + c)
-                    front, engine = (b - a for a, b in zip(before, tree_cpu(server.proc.pid)))
+                    front, engine, kernel = (b - a for a, b in zip(before, tree_cpu(server.proc.pid)))
                     busy, steal, total = (b - a for a, b in zip(ticks, machine_ticks()))
-                    r["cpu_ms_per_token"] = {"front end": 1e3 * front / r["total_output_tokens"], "engine": 1e3 * engine / r["total_output_tokens"]}
+                    r["cpu_ms_per_token"] = {"front end": 1e3 * front / r["total_output_tokens"], "engine": 1e3 * engine / r["total_output_tokens"],
+                                           "engine in the kernel": 1e3 * kernel / r["total_output_tokens"]}
                     # the machine while it ran: a round that lost to steal shows it here, not only as a lower ratio
                     r["machine"] = {"busy": busy / max(1, total), "steal": steal / max(1, total)}
                     results[(name, c, k)] = r
@@ -206,11 +209,11 @@ def against_vllm(args, tmp: Path, concurrencies: list[int]) -> int:
     print(f"\nvllm bench serve: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, {args.rounds} round(s); "
           f"afd's prefix cache hit {afd_prefix['hits']:.0f} of {afd_prefix['queries']:.0f} prompt tokens")
     print(f"{'server':12} {'conc.':>5} {'round':>5} {'done':>5} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12}"
-          f" {'CPU ms/token: front end':>24} {'engine':>7} {'CPUs busy':>9} {'steal':>6}")
+          f" {'CPU ms/token: front end':>24} {'engine':>7} {'of it kernel':>12} {'CPUs busy':>9} {'steal':>6}")
     for (name, c, k), r in results.items():
         cpu, machine = r["cpu_ms_per_token"], r["machine"]
         print(f"{name:12} {c:5d} {k:5d} {r['completed']:5d} {r['output_throughput']:10.1f} {r['median_ttft_ms']:12.1f} {r['median_tpot_ms']:12.1f}"
-              f" {cpu['front end']:24.2f} {cpu['engine']:7.2f} {machine['busy']:9.0%} {machine['steal']:6.1%}")
+              f" {cpu['front end']:24.2f} {cpu['engine']:7.2f} {cpu['engine in the kernel']:12.2f} {machine['busy']:9.0%} {machine['steal']:6.1%}")
     print(f"\n{'concurrency':>11} {'out tok/s afd/vLLM':>24} {'TPOT p50 afd/vLLM':>24} {'TTFT p50 afd/vLLM':>24}   (median; per round)")
     summary = {}
     for c in concurrencies:
