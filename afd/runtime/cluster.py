@@ -373,12 +373,11 @@ class Cluster:
             log.debug("rank failure detail:\n%s", detail)
         self.failure = f"run {self.run_id}: {reason}"
         error = RankFailedError(self.failure)
-        self._teardown(graceful=False)
+        self._teardown(graceful=False)  # the posts still waiting fail with the cause, not "shut down"
         for futures in self._replies.values():
             for f in futures:
                 if not f.done():
                     f.set_exception(error)
-        self._slot.close(self.failure, error)
         if self._events is not None:
             self._events.put((-1, error))
         raise error
@@ -386,6 +385,7 @@ class Cluster:
     def _teardown(self, graceful: bool) -> None:
         if not self.launcher.closed:
             self._routes = ()
-            self._slot.close(self.failure or f"run {self.run_id} is shut down", RankFailedError(f"run {self.run_id} is shut down"))
+            why = self.failure or f"run {self.run_id} is shut down"
+            self._slot.close(why, RankFailedError(why))
             self.launcher.shutdown(graceful)
             self._publish()

@@ -73,6 +73,30 @@ def test_killing_an_ffn_rank_fails_the_job_fast_and_leaves_nothing():
     support.wait_for(lambda: not run_processes(run_id), 5, "every process of the run gone")
 
 
+@pytest.mark.faults
+def test_a_call_that_meets_a_failure_being_gathered_is_told_its_cause(monkeypatch):
+    """Stop 39's CI failure, made certain: the owner notices a dead rank, then waits GATHER_S for the peers'
+    reports before it fails the run. A call posted in that wait (here the front end attaching, as ``afd
+    generate`` does right after READY) used to get "run ... is shut down" and the cause was never printed."""
+    from afd.runtime import cluster as cluster_module
+    from afd.runtime.launcher import RankFailedError
+
+    monkeypatch.setattr(cluster_module, "GATHER_S", 3.0)  # the post lands well inside the wait
+    topology = Topology(parse_devices("cpu"), parse_devices("cpu,cpu"), transport="shm")
+    run = support.cluster(BUILTIN_MODEL, topology, threads=1).start()
+    try:
+        victim = next(r for r in run.ranks if r.spec.name == "ffn rank 1")
+        os.kill(victim.pid, signal.SIGKILL)
+        time.sleep(1.0)  # the owner saw the exit at once (it waits on the process's sentinel) and is gathering
+        with pytest.raises(RankFailedError, match=r"ffn rank 1 \(pid \d+\) died: .*SIGKILL"):
+            run.start_serving()
+        assert run.failure is not None and "ffn rank 1" in run.failure
+        with pytest.raises(RankFailedError, match="ffn rank 1"):  # and every call after it
+            run.request(0, None)
+    finally:
+        run.shutdown(graceful=False)
+
+
 def test_bad_topology_starts_nothing():
     t = Topology(parse_devices("cpu"), parse_devices(",".join(["cpu"] * 9)), transport="shm")
     with pytest.raises(TopologyError, match="9 FFN ranks"):
