@@ -12,7 +12,8 @@ is made by scripts/clients/setup-venvs.sh.
 checkpoint and dtype) and ``afd serve`` at its defaults, one compute thread each (``--threads default``: each
 server's own thread defaults), both up,
 benchmarked in turn under every ``--concurrency`` of a comma list (e.g. 1,8,32) for ``--rounds`` rounds,
-the completions backend; the ratios afd / vLLM per round and their medians are printed.
+the completions backend; the ratios afd / vLLM per round and their medians are printed. A round in which
+either server lost a request is shown in brackets and left out of the median; only afd's losses fail the run.
 
 ``--prefix-repetition P,S,N``: instead, the prefix cache: monolithic ``afd serve`` with and without
 ``--no-enable-prefix-caching`` under vLLM's ``prefix_repetition`` dataset (N shared prefixes of P
@@ -188,7 +189,7 @@ def against_vllm(args, tmp: Path, concurrencies: list[int]) -> int:
     import statistics
 
     results: dict[tuple[str, int, int], dict] = {}
-    failed = 0
+    failed = {"vllm serve": 0, "afd serve": 0}
     afd_env = {"AFD_NUM_THREADS": "1"} if args.threads == "1" else {}
     with VllmServer(args, tmp / "vllm-serve.log") as vllm, ServerProcess(args.model, "--dtype", args.dtype, env=afd_env) as afd:
         for k in range(args.rounds):
@@ -203,8 +204,9 @@ def against_vllm(args, tmp: Path, concurrencies: list[int]) -> int:
                                            "engine in the kernel": 1e3 * kernel / r["total_output_tokens"]}
                     # the machine while it ran: a round that lost to steal shows it here, not only as a lower ratio
                     r["machine"] = {"busy": busy / max(1, total), "steal": steal / max(1, total)}
+                    r["lost"] = r["failed"] if "failed" in r else args.num_prompts - r["completed"]
                     results[(name, c, k)] = r
-                    failed += r["failed"] if "failed" in r else args.num_prompts - r["completed"]
+                    failed[name] += r["lost"]
         afd_prefix = {k: server_metric(afd.url, f"afd_prefix_cache_{k}_total") for k in ("queries", "hits")}
     print(f"\nvllm bench serve: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, {args.rounds} round(s); "
           f"afd's prefix cache hit {afd_prefix['hits']:.0f} of {afd_prefix['queries']:.0f} prompt tokens")
@@ -217,15 +219,24 @@ def against_vllm(args, tmp: Path, concurrencies: list[int]) -> int:
     print(f"\n{'concurrency':>11} {'out tok/s afd/vLLM':>24} {'TPOT p50 afd/vLLM':>24} {'TTFT p50 afd/vLLM':>24}   (median; per round)")
     summary = {}
     for c in concurrencies:
-        ratios = {m: [results[("afd serve", c, k)][f] / results[("vllm serve", c, k)][f] for k in range(args.rounds)]
+        # a round in which either server lost a request compares unlike work: shown in brackets, not in the median
+        whole = [not (results[("afd serve", c, k)]["lost"] or results[("vllm serve", c, k)]["lost"]) for k in range(args.rounds)]
+        ratios = {m: [results[("afd serve", c, k)][f] / max(1e-9, results[("vllm serve", c, k)][f]) for k in range(args.rounds)]
                   for m, f in (("throughput", "output_throughput"), ("tpot", "median_tpot_ms"), ("ttft", "median_ttft_ms"))}
-        summary[c] = {m: statistics.median(v) for m, v in ratios.items()}
-        print(f"{c:11d} " + " ".join(f"{statistics.median(v):6.2f}x ({', '.join(f'{x:.2f}' for x in v)})".rjust(24) for v in ratios.values()))
+        summary[c] = {m: statistics.median([x for x, ok in zip(v, whole) if ok]) if any(whole) else None for m, v in ratios.items()}
+        print(f"{c:11d} " + " ".join(
+            (f"{summary[c][m]:6.2f}x" if summary[c][m] is not None else "   n/a ")
+            + f" ({', '.join(f'{x:.2f}' if ok else f'[{x:.2f}]' for x, ok in zip(v, whole))})".rjust(17) for m, v in ratios.items()))
+    if not all(r["lost"] == 0 for r in results.values()):
+        print("[x]: a round in which a server lost requests (see 'done' above), left out of the median")
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": {f"{n} c={c} r={k}": r for (n, c, k), r in results.items()}, "ratios": summary,
                                                "afd_prefix_cache": afd_prefix}, indent=1))
-    print("vllm bench serve: " + ("every request completed" if not failed else f"FAIL: {failed} requests failed"))
-    return 1 if failed else 0
+    if failed["vllm serve"]:  # the peer's fault, not afd's: reported, and its rounds left out above
+        errors = [line for line in (tmp / "vllm-serve.log").read_text(errors="replace").splitlines() if " ERROR " in line or "Error" in line]
+        print(f"vllm serve lost {failed['vllm serve']} request(s); its log's errors:", *(errors[-5:] or ["(none logged)"]), sep="\n  ")
+    print("vllm bench serve: " + (f"FAIL: afd serve lost {failed['afd serve']} request(s)" if failed["afd serve"] else "afd served every request"))
+    return 1 if failed["afd serve"] else 0
 
 
 def main() -> int:
@@ -310,8 +321,11 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
                   f"{f['ffn_cpu_s']:9.2f} {1e3 * f['ffn_cpu_s'] / max(1, f['tokens']):12.2f} {1e3 * f['straggler_s'] / max(1, f['ffn_batches']):18.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    print("vllm bench serve: " + ("every request completed" if not failed else f"FAIL: {failed} requests failed"))
-    return 1 if failed else 0
+    if failed["vllm serve"]:  # the peer's fault, not afd's: reported, and its rounds left out above
+        errors = [line for line in (tmp / "vllm-serve.log").read_text(errors="replace").splitlines() if " ERROR " in line or "Error" in line]
+        print(f"vllm serve lost {failed['vllm serve']} request(s); its log's errors:", *(errors[-5:] or ["(none logged)"]), sep="\n  ")
+    print("vllm bench serve: " + (f"FAIL: afd serve lost {failed['afd serve']} request(s)" if failed["afd serve"] else "afd served every request"))
+    return 1 if failed["afd serve"] else 0
 
 
 if __name__ == "__main__":
