@@ -321,11 +321,8 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
                   f"{f['ffn_cpu_s']:9.2f} {1e3 * f['ffn_cpu_s'] / max(1, f['tokens']):12.2f} {1e3 * f['straggler_s'] / max(1, f['ffn_batches']):18.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    if failed["vllm serve"]:  # the peer's fault, not afd's: reported, and its rounds left out above
-        errors = [line for line in (tmp / "vllm-serve.log").read_text(errors="replace").splitlines() if " ERROR " in line or "Error" in line]
-        print(f"vllm serve lost {failed['vllm serve']} request(s); its log's errors:", *(errors[-5:] or ["(none logged)"]), sep="\n  ")
-    print("vllm bench serve: " + (f"FAIL: afd serve lost {failed['afd serve']} request(s)" if failed["afd serve"] else "afd served every request"))
-    return 1 if failed["afd serve"] else 0
+    print("vllm bench serve: " + ("every request completed" if not failed else f"FAIL: {failed} requests failed"))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
