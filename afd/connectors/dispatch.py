@@ -234,6 +234,7 @@ class AttentionEndpoint:
                             placement=handle.placement)
             try:
                 self.mailbox.send(r, make_message(header, tensors))
+                self.mailbox.expect(r)  # its silence counts from here, not from its last answer
                 self.rows_sent[r] = self.rows_sent.get(r, 0) + len(rows)
             except PeerDiedError as e:  # keep sending: the other ranks' unions need this rank's part
                 lost.append(e)

@@ -102,6 +102,13 @@ class Mailbox(ABC):
         self._silent_ok.discard(peer)
         self._last_seen[peer] = time.monotonic()
 
+    def expect(self, peer: int) -> None:
+        """This end now waits on ``peer`` (it sent it work): the peer's silence counts from now at the latest. A
+        peer that owes nothing need not beat (an FFN rank beats only to the ranks it owes), so the time this end
+        spent busy elsewhere before asking is not the peer's silence."""
+        if peer in self._last_seen:
+            self._last_seen[peer] = max(self._last_seen[peer], time.monotonic())
+
     def _beat(self, interval: float, only_to) -> None:
         while not self._stop.wait(interval / 2):
             now = time.monotonic()
@@ -117,7 +124,8 @@ class Mailbox(ABC):
                     self._silent_ok.add(peer)
 
     def check_silence(self, peers=None) -> None:
-        """Raise PeerSilentError if a peer in service (of ``peers``, default all) has been silent past the link timeout."""
+        """Raise PeerSilentError if a peer in service (of ``peers``, default all) has been silent past the link
+        timeout: nothing from it since its last message, or since this end last asked it for work (:meth:`expect`)."""
         if self.link_timeout is None:
             return
         now = time.monotonic()

@@ -258,3 +258,28 @@ def test_an_attention_rank_that_said_hello_and_reads_nothing_is_not_hung_to_the_
     assert not serving.is_alive() and silent == []
     for box in (attn, first[0], replacement):
         box.close()
+
+
+def test_an_ffn_rank_s_silence_counts_from_the_work_sent_to_it(model, ffn_models):
+    """An FFN rank beats only to the attention ranks it owes results (an idle attention rank reads nothing), so
+    an attention rank busy elsewhere for longer than the link timeout hears nothing meanwhile: its next dispatch
+    starts the FFN ranks' silence anew. Before, `afd bench pipeline --num-seqs 4 --prompt-len 2048` failed as
+    "ffn rank 0 sent nothing for 10.0 s" whenever the answer (and its first heartbeat) outlasted one 0.5 s poll."""
+    from afd.connectors.transport import PeerSilentError
+
+    layer = model.config.moe.layers[0]
+    with Ranks(ffn_models) as ranks:
+        mailbox = ranks.endpoint.mailbox
+        mailbox.link_timeout = 0.4
+        for r in range(F):
+            mailbox.watch(r)  # in service (as from its HELLO)
+        time.sleep(1.0)  # busy elsewhere; nothing is owed, nothing arrives
+        with pytest.raises(PeerSilentError, match="sent nothing"):  # the clock runs: the check can fail
+            mailbox.check_silence()
+        torch.manual_seed(5)
+        x = torch.randn(9, model.config.hidden_size)
+        handle = ranks.endpoint.dispatch(layer, 1, x, model.router(layer, x), is_moe=True)
+        mailbox.check_silence()  # asked just now: not silent
+        y = ranks.endpoint.combine(handle, model.config.hidden_size, x.dtype) + model.shared_experts(layer, x)
+        report = compare_values("combine", model.ffn(layer, x), y)
+        assert report.ok, str(report)
