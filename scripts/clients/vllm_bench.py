@@ -183,11 +183,21 @@ def bench(args, url: str, backend: str, endpoint: str, out: Path, concurrency: i
     return json.loads((out / "result.json").read_text())
 
 
+def round_ratios(results: dict[tuple[str, int, int], dict], c: int, rounds: int) -> tuple[dict, list[bool], dict]:
+    """At concurrency ``c``: afd / vLLM per round of each metric, which rounds count (neither server lost a
+    request: otherwise the two did unlike work), and the medians over those (None: no round counts)."""
+    import statistics
+
+    whole = [not (results[("afd serve", c, k)]["lost"] or results[("vllm serve", c, k)]["lost"]) for k in range(rounds)]
+    ratios = {m: [results[("afd serve", c, k)][f] / max(1e-9, results[("vllm serve", c, k)][f]) for k in range(rounds)]
+              for m, f in (("throughput", "output_throughput"), ("tpot", "median_tpot_ms"), ("ttft", "median_ttft_ms"))}
+    medians = {m: statistics.median([x for x, ok in zip(v, whole) if ok]) if any(whole) else None for m, v in ratios.items()}
+    return ratios, whole, medians
+
+
 def against_vllm(args, tmp: Path, concurrencies: list[int]) -> int:
     """Both servers up at once (an idle one costs nothing), benchmarked in turn at every concurrency, for
     ``--rounds`` rounds: this machine's drift hits both alike. Ratios afd / vLLM per round, and their median."""
-    import statistics
-
     results: dict[tuple[str, int, int], dict] = {}
     failed = {"vllm serve": 0, "afd serve": 0}
     afd_env = {"AFD_NUM_THREADS": "1"} if args.threads == "1" else {}
@@ -219,11 +229,7 @@ def against_vllm(args, tmp: Path, concurrencies: list[int]) -> int:
     print(f"\n{'concurrency':>11} {'out tok/s afd/vLLM':>24} {'TPOT p50 afd/vLLM':>24} {'TTFT p50 afd/vLLM':>24}   (median; per round)")
     summary = {}
     for c in concurrencies:
-        # a round in which either server lost a request compares unlike work: shown in brackets, not in the median
-        whole = [not (results[("afd serve", c, k)]["lost"] or results[("vllm serve", c, k)]["lost"]) for k in range(args.rounds)]
-        ratios = {m: [results[("afd serve", c, k)][f] / max(1e-9, results[("vllm serve", c, k)][f]) for k in range(args.rounds)]
-                  for m, f in (("throughput", "output_throughput"), ("tpot", "median_tpot_ms"), ("ttft", "median_ttft_ms"))}
-        summary[c] = {m: statistics.median([x for x, ok in zip(v, whole) if ok]) if any(whole) else None for m, v in ratios.items()}
+        ratios, whole, summary[c] = round_ratios(results, c, args.rounds)
         print(f"{c:11d} " + " ".join(
             (f"{summary[c][m]:6.2f}x" if summary[c][m] is not None else "   n/a ")
             + f" ({', '.join(f'{x:.2f}' if ok else f'[{x:.2f}]' for x, ok in zip(v, whole))})".rjust(17) for m, v in ratios.items()))
