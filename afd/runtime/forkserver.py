@@ -16,15 +16,23 @@ preloaded), and every rank, replacements included, is forked from it in a fracti
 * Nothing but imports has happened in the server (no threads, no accelerator context), so forking it is
   as clean as spawning.
 * Connections and sentinels are multiprocessing's own: a rank is an ``mp.Process`` to the launcher.
+* The server's socket lies in a run directory of its starter's (``afd-<run id>-*`` in the temporary
+  directory, afd/runtime/procs.py), removed when the server stops, and by the next run's sweep when its
+  starter was killed outright (multiprocessing's own address, a ``pymp-*`` directory, stayed behind then).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import shutil
 import socket
 import subprocess
-from multiprocessing import connection, context, forkserver, popen_forkserver, resource_tracker, spawn, util
+import weakref
+from multiprocessing import context, forkserver, popen_forkserver, resource_tracker, spawn, util
+from pathlib import Path
+
+from afd.runtime.procs import make_run_dir
 
 PRELOAD = ["afd.runtime.rank"]  # torch, the models, connectors and workers
 
@@ -37,6 +45,8 @@ class RunForkServer(forkserver.ForkServer):
         self.run_id = run_id
         self.set_forkserver_preload(PRELOAD)
         self._proc: subprocess.Popen | None = None
+        self._dir: Path | None = None  # where the server's socket lies
+        self._dir_finalizer: weakref.finalize | None = None  # removes it: on stop, or at this process's exit
 
     def process(self, target, args: tuple, name: str) -> "RankProcess":
         """A process that runs ``target(*args)``, forked from this server when started."""
@@ -55,12 +65,14 @@ class RunForkServer(forkserver.ForkServer):
                     return  # still running
                 os.close(self._forkserver_alive_fd)
                 self._forkserver_address = self._forkserver_alive_fd = self._forkserver_pid = None
+                self._remove_dir()
             data = {k: v for k, v in spawn.get_preparation_data("ignore").items() if k in ("main_path", "sys_path")}
+            self._dir = make_run_dir(self.run_id, None)  # mode 0700, like multiprocessing's own
+            self._dir_finalizer = weakref.finalize(self, shutil.rmtree, str(self._dir), True)
             with socket.socket(socket.AF_UNIX) as listener:
-                address = connection.arbitrary_address("AF_UNIX")
+                address = str(self._dir / "forkserver")
                 listener.bind(address)
-                if not util.is_abstract_socket_namespace(address):
-                    os.chmod(address, 0o600)
+                os.chmod(address, 0o600)
                 listener.listen()
                 alive_r, alive_w = os.pipe()  # every client holds the write end; the server exits when all are gone
                 try:
@@ -85,6 +97,17 @@ class RunForkServer(forkserver.ForkServer):
         if self._proc is not None:
             self._proc.returncode = self._proc.returncode or 0  # reaped by _stop's waitpid
             self._proc = None
+        self._remove_dir()
+
+    @property
+    def socket_dir(self) -> Path | None:
+        """The run directory the server's socket lies in (None until it starts, and after it stops)."""
+        return self._dir
+
+    def _remove_dir(self) -> None:
+        if self._dir_finalizer is not None:
+            self._dir_finalizer()
+        self._dir = self._dir_finalizer = None
 
 
 class _RunPopen(popen_forkserver.Popen):

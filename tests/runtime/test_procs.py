@@ -1,11 +1,13 @@
 """Process helpers: a run directory left by a launcher killed with SIGKILL is removed by the next run, and
-nothing else is (a live owner's, one whose pid was reused, one without an owner file)."""
+nothing else is (a live owner's, one whose pid was reused, one without an owner file); a fork server's socket
+lies in such a directory."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +34,47 @@ def test_a_sigkilled_launchers_run_dir_is_removed_by_the_next_run(tmp_path):
     assert not left.exists() and not reused.exists(), "the dead launchers' directories stay"
     assert unowned.is_dir() and mine.is_dir(), "a directory of unknown or live ownership was removed"
     assert sweep_stale_run_dirs(str(tmp_path)) == [] and mine.is_dir()
+
+
+# A fork server (nothing preloaded) started in a child: stopped, or left running when the child is killed.
+_FORKS = """
+import sys, time
+from afd.runtime.forkserver import RunForkServer
+forks = RunForkServer("fs")
+forks.set_forkserver_preload([])
+forks.ensure_running()
+print(forks.socket_dir, (forks.socket_dir / "forkserver").is_socket(), flush=True)
+if sys.argv[1] == "stop":
+    forks.stop()
+    print("stopped", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_fork_servers_socket_is_gone_after_it_stops_and_after_its_starter_is_killed(tmp_path):
+    """multiprocessing's own address (a ``pymp-*`` directory) stayed in /tmp whenever an engine core or launcher
+    was killed outright: one more a CI run. The socket now lies in a run directory the next run sweeps."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    stopped = subprocess.Popen([sys.executable, "-c", _FORKS, "stop"], stdout=subprocess.PIPE, text=True, env=env)
+    killed = subprocess.Popen([sys.executable, "-c", _FORKS, "kill"], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        started = [p.stdout.readline().split() for p in (stopped, killed)]
+        assert [is_socket for _, is_socket in started] == ["True", "True"], started
+        socket_dirs = [Path(d) for d, _ in started]
+        assert all(d.parent == tmp_path and d.name.startswith("afd-fs-") for d in socket_dirs), socket_dirs
+        assert stopped.stdout.readline().strip() == "stopped"
+        assert not socket_dirs[0].exists(), "a stopped fork server's directory stays"
+        killed.kill()  # SIGKILL, our own child: its atexit does not run
+        killed.wait()
+        assert (socket_dirs[1] / "forkserver").is_socket()
+        make_run_dir("next", str(tmp_path))  # sweeps first
+        assert not socket_dirs[1].exists(), "a killed starter's fork server directory stays after the next run"
+        assert not list(tmp_path.glob("pymp-*")), "multiprocessing's temporary directory is still used"
+    finally:
+        for p in (stopped, killed):
+            p.kill()
+            p.wait()
+            p.stdout.close()
 
 
 def test_an_engine_core_pipe_reset_is_reported_as_the_cores_death(monkeypatch):
