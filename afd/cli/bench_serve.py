@@ -29,6 +29,7 @@ from afd.cli.common import print_table, resolve_model
 AGGREGATION_FLAGS = "--transport shm --mode async --num-microbatches 2 --split token"
 #: what the FFN ranks report in /metrics, summed over them (mean GEMM rows and parts per batch: averaged)
 FFN_METRICS = {"gemm_rows": "afd_ffn_mean_gemm_rows", "parts_per_batch": "afd_ffn_items_per_batch", "ffn_cpu_s": "afd_ffn_cpu_seconds_total",
+               "ffn_process_cpu_s": "afd_ffn_process_cpu_seconds_total",
                "ffn_batches": "afd_ffn_batches_total", "ffn_rows": "afd_ffn_rows_total", "straggler_s": "afd_ffn_straggler_wait_seconds_total",
                "tokens": "afd_generation_tokens_total"}
 DEFAULT_CONFIGS = ["monolithic=", "1A1F-async=--attention-ranks 1 --ffn-ranks 1 --transport shm --mode async --num-microbatches 2 --split token"]
@@ -125,20 +126,40 @@ async def _load(url: str, model: str, work, concurrency: int, rate: float | None
     }
 
 
-def ffn_metrics(url: str) -> dict:
-    """The FFN ranks' counters from the server's /metrics (empty for a monolithic server)."""
+def ffn_metrics(url: str, settle_s: float = 15.0) -> dict:
+    """The FFN ranks' counters from the server's /metrics (empty for a monolithic server), read once they have
+    settled: every FFN rank reported itself idle and their rows add up to the rows the attention ranks sent
+    them. A rank reports its counters at most once a second while busy, so a read right after the load ended
+    saw up to a second's work missing (CPU and rows alike, against all of the engine's tokens). ``settled`` is
+    False if they had not settled within ``settle_s``."""
     import httpx
 
-    text = httpx.get(url + "/metrics", timeout=30).text
-    values: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if not line.startswith("#") and name in FFN_METRICS.values():
-            values.setdefault(name, []).append(float(line.rsplit(" ", 1)[1]))
-    if FFN_METRICS["gemm_rows"] not in values:
-        return {}
+    deadline = time.monotonic() + settle_s
+    while True:
+        text = httpx.get(url + "/metrics", timeout=30).text
+        values: dict[str, list[float]] = {}
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if not line.startswith("#") and name in (*FFN_METRICS.values(), "afd_ffn_idle", "afd_connector_rows_sent_total"):
+                values.setdefault(name, []).append(float(line.rsplit(" ", 1)[1]))
+        if FFN_METRICS["gemm_rows"] not in values:
+            return {}
+        settled = (all(v == 1.0 for v in values.get("afd_ffn_idle", [0.0]))
+                   and sum(values.get(FFN_METRICS["ffn_rows"], [])) == sum(values.get("afd_connector_rows_sent_total", [])))
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     averaged = ("gemm_rows", "parts_per_batch")
-    return {k: (statistics.mean if k in averaged else sum)(values.get(m, [0.0])) for k, m in FFN_METRICS.items()}
+    return {**{k: (statistics.mean if k in averaged else sum)(values.get(m, [0.0])) for k, m in FFN_METRICS.items()}, "settled": settled}
+
+
+def ffn_delta(after: dict, before: dict) -> dict:
+    """The FFN counters of the work between two :func:`ffn_metrics` reads (the means, ``gemm_rows`` and
+    ``parts_per_batch``, stay as of ``after``): a rank's process CPU counts from its start, its load included."""
+    if not after:
+        return {}
+    means = ("gemm_rows", "parts_per_batch", "settled")
+    return {k: v if k in means else v - before.get(k, 0.0) for k, v in after.items()}
 
 
 def _percentiles(name: str, xs: list[float]) -> dict:
@@ -194,9 +215,10 @@ def run(args: argparse.Namespace) -> int:
                     import httpx
 
                     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+                before = ffn_metrics(url)
                 runs = [asyncio.run(_load(url, model, workload(args, vocab, i), args.concurrency, args.request_rate, args.seed))
                         for i in range(args.runs)]
-                ffn = ffn_metrics(url)
+                ffn = ffn_delta(ffn_metrics(url), before)
             finally:
                 if server is not None:
                     server.stop()

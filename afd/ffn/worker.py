@@ -169,6 +169,9 @@ class FFNWorker:
     def serve(self) -> None:
         """Serve until every attention rank has said SHUTDOWN."""
         open_ranks = self._open = set(range(self.num_attention_ranks))
+        if self.on_tick is not None:  # the counters before any work (a benchmark's baseline: the load's CPU, no rows)
+            self._ticked_at = time.monotonic()
+            self.on_tick()
         while open_ranks:
             late, self._late = self._late, []  # unions a lost attention rank made whole while answering
             for key, union in sorted(late, key=lambda kv: kv[0]):
@@ -312,6 +315,7 @@ class FFNWorker:
         return {"items": self.items_served, "empty_parts": self.unions.empty_parts, "tokens": self.tokens_served, "batches": self.batches,
                 "items_per_batch": self.items_served / max(1, self.batches), "expert_gemms": self.expert_gemms,
                 "mean_gemm_rows": self.mean_gemm_rows, "busy_s": self.busy_s, "busy_cpu_s": self.busy_cpu_s,
+                "process_cpu_s": time.process_time(),  # the process the rank runs in (its own; loopback: the launcher's)
                 "straggler_wait_s": self.straggler_wait_s, "tokens_by_rank": dict(self.tokens_by_rank), "retries": self.unions.retries,
                 "idle": self.idle,
                 "expert_tokens": self.expert_token_counts(), "placement_version": self.placement_version}

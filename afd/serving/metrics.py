@@ -101,11 +101,15 @@ class _EngineCollector:
                 busy.add_metric(["attention" if "connector_round_trips" in s else "monolithic", str(i)], s["busy_s"])
         ffn_cpu = CounterMetricFamily("afd_ffn_cpu_seconds", "CPU time of each FFN rank's computing thread (busy_seconds is wall time)",
                                       labels=["rank"])
+        ffn_process_cpu = CounterMetricFamily("afd_ffn_process_cpu_seconds", "CPU time of each FFN rank's whole process: its "
+                                              "computing plus receiving, checking and answering parts, heartbeats", labels=["rank"])
         for name, s in ffn.items():
             busy.add_metric(["ffn", name.rsplit(" ", 1)[-1]], s["busy_s"])
             ffn_cpu.add_metric([name.rsplit(" ", 1)[-1]], s["busy_cpu_s"])
+            ffn_process_cpu.add_metric([name.rsplit(" ", 1)[-1]], s.get("process_cpu_s", 0.0))
         yield busy
         yield ffn_cpu
+        yield ffn_process_cpu
         nbytes = CounterMetricFamily("afd_connector_bytes", "Bytes over the attention-FFN links", labels=["rank", "direction"])
         rtt = CounterMetricFamily("afd_connector_round_trip_seconds", "Dispatch to combine, summed (divide by _round_trips)", labels=["rank"])
         trips = CounterMetricFamily("afd_connector_round_trips", "Dispatch-combine round trips completed", labels=["rank"])

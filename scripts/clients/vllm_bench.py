@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from afd.cli.bench_serve import ffn_metrics  # noqa: E402
+from afd.cli.bench_serve import ffn_delta, ffn_metrics  # noqa: E402
 from afd.cli.common import BUILTIN_MODEL  # noqa: E402
 from afd.serving.spawn import ServerProcess  # noqa: E402
 from scripts.clients.rundir import in_run_dir  # noqa: E402
@@ -78,7 +78,8 @@ class VllmServer:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-               "VLLM_CACHE_ROOT": str(log.parent / "vllm-cache")}
+               "VLLM_CACHE_ROOT": str(log.parent / "vllm-cache"), "TMPDIR": str(log.parent / "vllm-tmp")}
+        (log.parent / "vllm-tmp").mkdir(exist_ok=True)  # its IPC sockets and vllm_dist_* stayed in /tmp when it was killed
         if args.threads == "1":  # one OpenMP compute thread, on core 0 (vLLM's default, auto, reserves a core for its engine loop)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
         self._log = log.open("w")
@@ -297,12 +298,13 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
                     stop, running = threading.Event(), []
                     sampler = threading.Thread(target=running_sampler, args=(server.url, stop, running), daemon=True)
                     sampler.start()
+                    before = ffn_metrics(server.url) if flags is not None else {}
                     r = bench(args, server.url, backend, endpoint, tmp / name / backend / str(concurrency), concurrency, seed=concurrency)
                     stop.set()
                     sampler.join(5)
                     r["concurrency"] = concurrency
                     if flags is not None:
-                        r["ffn"] = ffn_metrics(server.url)
+                        r["ffn"] = ffn_delta(ffn_metrics(server.url), before)
                         r["prefix_cache"] = {k: server_metric(server.url, f"afd_prefix_cache_{k}_total") for k in ("queries", "hits")}
                     busy = [x for x in running if x > 0]
                     r["mean_running_seqs"] = sum(busy) / len(busy) if busy else 0.0
@@ -321,10 +323,13 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
     ffn = {name: r["ffn"] for name, r in results.items() if r.get("ffn")}
     if ffn:
         print(f"\n{'server, backend':28} {'GEMM rows':>9} {'rows/batch':>10} {'parts/batch':>11} {'FFN CPU s':>9} {'CPU ms/token':>12} "
-              f"{'straggler ms/batch':>18}")
-        for name, f in ffn.items():
+              f"{'CPU us/row':>10} {'process us/row':>14} {'straggler ms/batch':>18} {'ms between batches':>18}")
+        for name, f in ffn.items():  # the last column: how long the FFN rank idles between unions (a colder cache each, longer)
             print(f"{name:28} {f['gemm_rows']:9.1f} {f['ffn_rows'] / max(1, f['ffn_batches']):10.1f} {f['parts_per_batch']:11.2f} "
-                  f"{f['ffn_cpu_s']:9.2f} {1e3 * f['ffn_cpu_s'] / max(1, f['tokens']):12.2f} {1e3 * f['straggler_s'] / max(1, f['ffn_batches']):18.2f}")
+                  f"{f['ffn_cpu_s']:9.2f} {1e3 * f['ffn_cpu_s'] / max(1, f['tokens']):12.3f} {1e6 * f['ffn_cpu_s'] / max(1, f['ffn_rows']):10.2f} "
+                  f"{1e6 * f['ffn_process_cpu_s'] / max(1, f['ffn_rows']):14.2f} "
+                  f"{1e3 * f['straggler_s'] / max(1, f['ffn_batches']):18.2f} {1e3 * results[name]['duration'] / max(1, f['ffn_batches']):18.2f}"
+                  + ("" if f.get("settled", True) else "  (counters not settled: the FFN rank never reported idle)"))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print("vllm bench serve: " + ("every request completed" if not failed else f"FAIL: {failed} requests failed"))

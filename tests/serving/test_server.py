@@ -259,3 +259,28 @@ def test_a_prompt_goes_where_its_prefix_is_cached(server):
     stop.set()
     t.join(60)
     assert got >= 64, f"the repeated prompt hit {got} cached tokens: it went to the replica without its prefix"
+
+
+def test_the_ffn_counters_a_benchmark_reads_account_for_every_row(server):
+    """``ffn_metrics`` (what `afd bench serve` and vllm_bench.py report) waits until the FFN ranks' counters have
+    settled: read at once after a burst, they had missed up to a second of work (a rank reports at most once a
+    second while busy), which made the FFN CPU per token of a short run look lower than it was."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from afd.cli.bench_serve import ffn_delta, ffn_metrics
+
+    disaggregated = "attention rank" in json.dumps(server.get("/health").json())
+    before = ffn_metrics(server.url)
+    assert bool(before) == disaggregated and before.get("settled", True), before  # a baseline even before any work
+    payload = {"model": MODEL_NAME, "prompt": "To be, or not to be", "max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    with ThreadPoolExecutor(4) as pool:
+        assert all(r.status_code == 200 for r in pool.map(lambda _: server.post("/v1/completions", json=payload), range(8)))
+    after = ffn_metrics(server.url)
+    if not disaggregated:  # no FFN rank
+        assert after == {}
+        return
+    sent = sum(float(line.rsplit(" ", 1)[1]) for line in server.get("/metrics").text.splitlines()
+               if line.startswith("afd_connector_rows_sent_total{"))
+    assert after["settled"] and after["ffn_rows"] == sent, (after, sent)
+    work = ffn_delta(after, before)
+    assert work["ffn_rows"] > 0 and work["ffn_process_cpu_s"] >= work["ffn_cpu_s"] > 0, work
