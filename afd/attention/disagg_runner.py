@@ -215,22 +215,33 @@ class DisaggregatedRunner:
         record = observer is not None
         credits = min(self.pipeline.effective_credits, len(mbs)) if len(mbs) > 1 else 1
         for action in ping_pong(len(mbs), m.config.num_layers, credits):
-            t0 = time.perf_counter()
+            t0 = waited = time.perf_counter()
             mb = mbs[action.microbatch]
             if action.action is Action.ATTENTION:
                 self._attention(mb, action.layer, record)
             elif action.action is Action.DISPATCH:
                 self._dispatch(mb, action.layer, step)
             else:
-                self._combine(mb, action.layer, record)
+                waited = self._combine(mb, action.layer, record)
             if self.trace is not None:
-                self.trace.append(TraceEvent(t0, time.perf_counter(), action.action.value, action.microbatch, action.layer, self.seq,
-                                             self.endpoint.num_in_flight))
+                self._traced(action, t0, waited)
         real = [mb for mb in mbs if not mb.is_empty]
         hidden = torch.cat([mb.hidden for mb in real]) if len(real) > 1 else real[0].hidden
         if record:
             self._emit(real, hidden, observer)
         return hidden
+
+    def _traced(self, action, t0: float, waited: float) -> None:
+        """A schedule step into the trace; a combine as its wait for the FFN output ("combine") and the work here
+        after it ("merge": the shared experts when they run on this side, the residual), so that the trace tells
+        this rank's work from its waiting."""
+        end = time.perf_counter()
+        args = (action.microbatch, action.layer, self.seq, self.endpoint.num_in_flight)
+        if action.action is Action.COMBINE:
+            self.trace.append(TraceEvent(t0, waited, "combine", *args))
+            self.trace.append(TraceEvent(waited, end, "merge", *args))
+        else:
+            self.trace.append(TraceEvent(t0, end, action.action.value, *args))
 
     def _attention(self, mb: _Microbatch, layer: int, record: bool) -> None:
         m, t = self.model, self.topology
@@ -265,17 +276,19 @@ class DisaggregatedRunner:
         mb.handle = self.endpoint.dispatch(layer, self.seq, mb.ffn_input, mb.routing, is_moe, microbatch=mb.index,
                                            epoch=step.epoch, members=step.mask, token_ids=token_ids)
 
-    def _combine(self, mb: _Microbatch, layer: int, record: bool) -> None:
+    def _combine(self, mb: _Microbatch, layer: int, record: bool) -> float:
+        """Wait for the FFN output and merge it; returns when the wait ended (perf_counter)."""
         m, t = self.model, self.topology
         if mb.is_empty:
             if mb.handle is not None:
                 self.endpoint.combine(mb.handle, m.config.hidden_size, m.model.embed_tokens.weight.dtype)  # no rows: nothing comes
             mb.handle = mb.ffn_input = mb.routing = None
-            return
+            return time.perf_counter()
         if mb.handle is None:
-            y = mb.local_out
+            y, waited = mb.local_out, time.perf_counter()
         else:
             y = self.endpoint.combine(mb.handle, m.config.hidden_size, mb.hidden.dtype)
+            waited = time.perf_counter()
             if m.config.is_moe_layer(layer) and t.shared_experts_on == "attention":
                 shared = m.shared_experts(layer, mb.ffn_input)
                 if shared is not None:
@@ -284,6 +297,7 @@ class DisaggregatedRunner:
         mb.handle = mb.local_out = mb.routing = mb.residual = mb.ffn_input = mb.mix = None
         if record:
             mb.captured[(layer, "ffn_output")] = mb.hidden
+        return waited
 
     def _emit(self, mbs: list[_Microbatch], hidden: torch.Tensor, observer: Observer) -> None:
         """Captured boundaries in the batch's token order (micro-batches are contiguous pieces of it)."""

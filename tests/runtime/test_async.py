@@ -117,6 +117,12 @@ def test_overlap_is_real_and_credits_bound_in_flight(reference):
                     assert when[("dispatch", k + 1, layer)].start < when[("combine", k, layer)].start
             peak = max(e.in_flight for e in events)
             assert peak == min(m, pipeline.effective_credits), (m, credits, peak)
+            # a combine is traced as its wait for the slow FFN side, then this rank's own work on the result (the
+            # shared experts, the residual): what `afd bench pipeline` counts as busy
+            merges = {(e.microbatch, e.layer, e.seq): e for e in events if e.action == "merge"}
+            combines = [e for e in events if e.action == "combine"]
+            assert combines and all(merges[(e.microbatch, e.layer, e.seq)].start == e.end for e in combines)
+            assert sum(e.end - e.start for e in merges.values()) < sum(e.end - e.start for e in combines)
 
 
 def test_impossible_split_degrades_explicitly(reference):

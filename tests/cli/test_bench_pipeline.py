@@ -1,0 +1,24 @@
+"""`afd bench pipeline`'s overlap ideal: the attention rank's own work and the FFN rank's unions within each sync run."""
+
+from __future__ import annotations
+
+import pytest
+
+from afd.cli.bench_pipeline import overlap_ideals
+
+
+def test_the_ideal_takes_each_side_s_own_work_within_its_run():
+    # two sync runs: 0-10 s (attention busy 3 s) and 20-30 s (attention busy 6 s)
+    windows = [(0.0, 10.0, 3.0), (20.0, 30.0, 6.0)]
+    spans = [(-1.0, 1.0, 1, (), 8),  # straddles the first run's start: 1 s of it inside
+             (2.0, 6.0, 1, (), 8),  # 4 s inside
+             (12.0, 18.0, 1, (), 8),  # between the runs (an async run's): in neither
+             (21.0, 23.0, 2, (), 8), (29.0, 31.0, 2, (), 8)]  # 2 s, and 1 s of the straddling one
+    ideals, slack = overlap_ideals(windows, spans)
+    assert ideals == pytest.approx([(3 + 5) / 5, (6 + 3) / 6])
+    assert slack == pytest.approx([1 - 8 / 10, 1 - 9 / 10])
+
+
+def test_a_run_without_ffn_work_has_the_ideal_one():
+    ideals, slack = overlap_ideals([(0.0, 4.0, 2.0)], [])
+    assert ideals == [1.0] and slack == pytest.approx([0.5])
