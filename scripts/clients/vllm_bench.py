@@ -106,13 +106,17 @@ class VllmServer:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, self._signal.SIGTERM)
+        if self.proc.poll() is None:  # SIGTERM to the server alone: it stops its engine processes, which unlink their
+            self.proc.terminate()  # shared memory (a SIGTERM to the whole group left /dev/shm/psm_* of ~200 MB behind)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, self._signal.SIGKILL)
-                self.proc.wait(10)
+                pass
+        try:
+            os.killpg(self.proc.pid, self._signal.SIGKILL)  # whatever of its process group is left
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
         self._log.close()
 
 
