@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from afd import env
-from afd.cli.common import print_table
+from afd.cli.common import cpu_features, instruction_sets, print_table
 from afd.config import EngineArgs, PipelineConfig, SamplingParams
 from afd.distributed.topology import DISPATCH_DTYPES
 from afd.microbatch import CostModel
@@ -197,6 +197,7 @@ def _print_aggregation(results: dict[str, dict], args, label: str) -> None:
     print_table(rows)
     first, last = next(iter(results.values())), list(results.values())[-1]
     load = f"{args.num_seqs} seqs per attention rank" if args.per_rank_load else f"{args.num_seqs} seqs in all"
+    print(f"machine: {instruction_sets(cpu_features())}")
     print(f"summary: {label}; {', '.join(results)} x {args.ffn_ranks} FFN over {args.transport}, async m={args.num_microbatches} "
           f"{args.split}; {load} x {args.prompt_len} prompt + {args.new_tokens} new, median of {args.runs}: rows per expert GEMM "
           f"{last['mean_gemm_rows'] / first['mean_gemm_rows']:.2f}x, FFN CPU per token "
@@ -324,7 +325,8 @@ def run(args: argparse.Namespace) -> int:
             results = _run_aggregation(model_dir, args, prompts, forks)
             _print_aggregation(results, args, label)
             if args.json_out:
-                Path(args.json_out).write_text(json.dumps({"model": label, "results": results, "args": vars(args) | {"func": None}},
+                Path(args.json_out).write_text(json.dumps({"model": label, "instruction_sets": instruction_sets(cpu_features()), "results": results,
+                                                           "args": vars(args) | {"func": None}},
                                                           indent=2, default=str))
             return 0
         cost = _auto_costs(model_dir, args)
@@ -361,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
     s_ = results["sync"]["step_s"]
     auto = results[f"async auto (m<={args.num_microbatches})"]["step_s"]
     mono = results["monolithic (2 threads)"]["step_s"]
+    print(f"machine: {instruction_sets(cpu_features())}")
     print(f"summary: {label}; {args.attention_devices} attention / {args.ffn_devices} FFN over {args.transport}"
           f"{', dense MLPs on the FFN side' if args.dense_on == 'ffn' else ''}; "
           f"{args.num_seqs} seqs x {args.prompt_len} prompt + {args.new_tokens} new, median of {args.runs}{' (interleaved)' if args.interleave else ''}: "
@@ -375,5 +378,6 @@ def run(args: argparse.Namespace) -> int:
               f"their slack, neither side's work, {', '.join(f'{x:.0%}' for x in results['sync']['slack_by_round'])}); "
               f"the issue's bar 1 + 0.8 (ideal - 1) = {1 + 0.8 * (ideal - 1):.2f}x")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"model": label, "results": results, "args": vars(args) | {"func": None}}, indent=2, default=str))
+        Path(args.json_out).write_text(json.dumps({"model": label, "instruction_sets": instruction_sets(cpu_features()), "results": results,
+                                                           "args": vars(args) | {"func": None}}, indent=2, default=str))
     return 0

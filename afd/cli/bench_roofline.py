@@ -42,7 +42,7 @@ import torch
 
 from afd.cli.bench_models import add_model_args, kv_bytes_per_token, load_for_bench, make_engine
 from afd import env
-from afd.cli.common import print_table
+from afd.cli.common import cpu_features, instruction_sets, print_table
 from afd.cli.roofline_phases import PhaseTimer, gemm_totals, phase_rows
 
 
@@ -59,20 +59,6 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--gemm-sizes", type=int, nargs="+", default=[1024, 2048, 4096], help="the GEMM probe's square sizes")
     p.add_argument("--json", dest="json_out", help="write the results as JSON to this file")
     p.set_defaults(func=run)
-
-
-def cpu_features() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith(("flags", "Features"))), []))
-    except OSError:
-        return set()
-
-
-def instruction_sets(flags: set[str]) -> str:
-    """The vector and matrix sets that decide a CPU kernel's speed, as /proc/cpuinfo names them."""
-    named = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "asimd", "sve")
-    return " ".join(f for f in named if f in flags) or "none of the named sets"
 
 
 #: besides AFD_KERNELS_MARCH (afd's kernels), what makes this run use fewer instructions than the CPU has (an

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from afd.cli.common import print_table, resolve_model
+from afd.cli.common import cpu_features, instruction_sets, print_table, resolve_model
 
 AGGREGATION_FLAGS = "--transport shm --mode async --num-microbatches 2 --split token"
 #: what the FFN ranks report in /metrics, summed over them (mean GEMM rows and parts per batch: averaged)
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
                          *(f"{m[f'itl_ms_{q}']:.1f}" for q in ("p50", "p90", "p99")), f"{m['e2e_s_p50']:.2f}"))
         print(f"model {model_dir.name}; {args.num_requests} requests, prompt {args.prompt_len}, output {args.output_len} tokens, "
               + (f"{args.request_rate} req/s (Poisson), " if args.request_rate else "") + f"concurrency {args.concurrency}; "
-              f"medians of {args.runs} runs")
+              f"medians of {args.runs} runs; machine: {instruction_sets(cpu_features())}")
         print_table(rows)
         ffn_rows = [("config", "GEMM rows", "parts/batch", "FFN CPU ms/token", "straggler ms/batch")]
         for name, r in results.items():
@@ -244,10 +244,11 @@ def run(args: argparse.Namespace) -> int:
                 ffn_rows.append((name, f"{f['gemm_rows']:.1f}", f"{f['parts_per_batch']:.2f}", f"{1e3 * f['ffn_cpu_s'] / max(1, f['tokens']):.2f}",
                                  f"{1e3 * f['straggler_s'] / max(1, f['ffn_batches']):.2f}"))
         if len(ffn_rows) > 1:
-            print("FFN ranks, over every run of the configuration (warm-up included), from /metrics:")
+            print("FFN ranks, over every run of the configuration, from /metrics once settled:")
             print_table(ffn_rows)
         if args.json_out:
-            Path(args.json_out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"}, "results": results}, indent=2))
+            Path(args.json_out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"},
+                                                         "instruction_sets": instruction_sets(cpu_features()), "results": results}, indent=2))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -254,3 +254,17 @@ def alternate(a, b, runs: int) -> tuple[float, float]:
             f()
             times.append(time.perf_counter() - t0)
     return statistics.median(ta), statistics.median(tb)
+
+
+def cpu_features() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line.split(":", 1)[1].split() for line in f if line.startswith(("flags", "Features"))), []))
+    except OSError:
+        return set()
+
+
+def instruction_sets(flags: set[str]) -> str:
+    """The vector and matrix sets that decide a CPU kernel's speed, as /proc/cpuinfo names them."""
+    named = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "asimd", "sve")
+    return " ".join(f for f in named if f in flags) or "none of the named sets"

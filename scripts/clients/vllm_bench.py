@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from afd.cli.bench_serve import ffn_delta, ffn_metrics  # noqa: E402
-from afd.cli.common import BUILTIN_MODEL  # noqa: E402
+from afd.cli.common import BUILTIN_MODEL, cpu_features, instruction_sets  # noqa: E402
 from afd.serving.spawn import ServerProcess  # noqa: E402
 from scripts.clients.rundir import in_run_dir  # noqa: E402
 
@@ -224,7 +224,7 @@ def against_vllm(args, tmp: Path, concurrencies: list[int]) -> int:
                     failed[name] += r["lost"]
         afd_prefix = {k: server_metric(afd.url, f"afd_prefix_cache_{k}_total") for k in ("queries", "hits")}
     print(f"\nvllm bench serve: {args.num_prompts} prompts, {args.input_len} in / {args.output_len} out, {args.rounds} round(s); "
-          f"afd's prefix cache hit {afd_prefix['hits']:.0f} of {afd_prefix['queries']:.0f} prompt tokens")
+          f"afd's prefix cache hit {afd_prefix['hits']:.0f} of {afd_prefix['queries']:.0f} prompt tokens; machine: {instruction_sets(cpu_features())}")
     print(f"{'server':12} {'conc.':>5} {'round':>5} {'done':>5} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12}"
           f" {'CPU ms/token: front end':>24} {'engine':>7} {'of it kernel':>12} {'CPUs busy':>9} {'steal':>6}")
     for (name, c, k), r in results.items():
@@ -315,7 +315,8 @@ def run(args: argparse.Namespace, tmp: Path) -> int:
                     results[key] = r
                     failed += r["failed"] if "failed" in r else args.num_prompts - r["completed"]
     shape = f"prefix_repetition {args.prefix_repetition}" if args.prefix_repetition else f"{args.input_len} in"
-    print(f"\nvllm bench serve: {args.num_prompts} prompts, {shape} / {args.output_len} out, concurrency {args.concurrency}")
+    print(f"\nvllm bench serve: {args.num_prompts} prompts, {shape} / {args.output_len} out, concurrency {args.concurrency}; "
+          f"machine: {instruction_sets(cpu_features())}")
     print(f"{'server, backend':34} {'done':>5} {'failed':>6} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'running seqs':>12}")
     for name, r in results.items():
         print(f"{name:34} {r['completed']:5d} {r.get('failed', 0):6d} {r['output_throughput']:10.1f} {r['median_ttft_ms']:12.1f} "
