@@ -145,7 +145,8 @@ class Mailbox(ABC):
         """Send to one peer. The message's tensors may still be read after this returns (an accelerator
         transport sends asynchronously, without a copy): never modify them in place afterwards."""
         header_bytes, tensors = encode(message)
-        self.send_frame(peer, message.header, header_bytes, [flat_bytes(t.to(self.wire_device)) for t in tensors])
+        wire = self.wire_device
+        self.send_frame(peer, message.header, header_bytes, [flat_bytes(t if t.device == wire else t.to(wire)) for t in tensors])
 
     def send_frame(self, peer: int, header: Header, header_bytes: bytes, payload: list[torch.Tensor]) -> None:
         """Send one encoded frame: ``payload`` is 1-d uint8 tensors (views where possible) on ``wire_device``."""

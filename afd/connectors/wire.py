@@ -142,7 +142,7 @@ class Header:
 
     @property
     def payload_bytes(self) -> int:
-        return sum(t.num_bytes for t in self.tensors)
+        return _layout(self.tensors)[0]
 
     @property
     def key(self) -> tuple[int, int, int, int]:
@@ -173,29 +173,20 @@ class Header:
         if kind not in _KINDS or role not in _ROLES:
             raise ProtocolError(f"{receiver}: unknown message kind {kind} or role {role}")
         kind, role = _KINDS[kind], _ROLES[role]
-        sender = rank_name(role, src)
         if version != PROTOCOL_VERSION:
-            raise ProtocolError(f"{receiver}: protocol version {version} from {sender}, this side speaks {PROTOCOL_VERSION}")
-        off = _FIXED.size
-        specs = []
-        for _ in range(ntensors):
-            if len(buf) < off + _TENSOR.size:
-                raise ProtocolError(f"{receiver}: truncated tensor table from {sender}")
-            name, dcode, ndim = _TENSOR.unpack_from(buf, off)
-            off += _TENSOR.size
-            if dcode >= len(DTYPES) or name not in _NAMES:
-                raise ProtocolError(f"{receiver}: bad tensor entry (name {name}, dtype {dcode}) from {sender}")
-            shape = struct.unpack_from(f"<{ndim}I", buf, off)
-            off += 4 * ndim
-            specs.append(TensorSpec(_NAMES[name], DTYPES[dcode], shape))
+            raise ProtocolError(f"{receiver}: protocol version {version} from {rank_name(role, src)}, this side speaks {PROTOCOL_VERSION}")
+        table = _TABLES.get((ntensors, bytes(buf[_FIXED.size :])))
+        if table is None:
+            table = _parse_table(buf, ntensors, receiver, rank_name(role, src))
+        specs, off = table
         try:
             ops = _op(ops)
         except ValueError:
-            raise ProtocolError(f"{receiver}: unknown ops {ops} from {sender}") from None
-        header = cls(kind, role, src, dst, layer, mb, seq, ntok, ops, tuple(specs), version, epoch, members, ffn_members, placement)
-        if header.payload_bytes != payload:
+            raise ProtocolError(f"{receiver}: unknown ops {ops} from {rank_name(role, src)}") from None
+        header = cls(kind, role, src, dst, layer, mb, seq, ntok, ops, specs, version, epoch, members, ffn_members, placement)
+        if _layout(specs)[0] != payload:
             raise ProtocolError(
-                f"{receiver}: header from {sender} declares {payload} payload bytes but its tensor table sums to {header.payload_bytes}"
+                f"{receiver}: header from {header.source} declares {payload} payload bytes but its tensor table sums to {header.payload_bytes}"
             )
         return header, off
 
@@ -204,6 +195,53 @@ class Header:
         wrong = [f"{k}={getattr(self, k)!r} (expected {v!r})" for k, v in fields.items() if getattr(self, k) != v]
         if wrong:
             raise ProtocolError(f"{receiver}: message from {self.source} does not pair: {', '.join(wrong)}")
+
+
+# Parsed tensor tables, by (tensor count, the header's bytes after its fixed part): a link carries the same few
+# tables over and over (the shapes of a step's parts), and parsing one costs microseconds per message.
+_TABLES: dict[tuple[int, bytes], tuple[tuple[TensorSpec, ...], int]] = {}
+# id(specs) -> (specs, payload bytes, [(name, dtype, shape, offset, bytes)]): where each tensor lies in a payload
+_LAYOUTS: dict[int, tuple] = {}
+_CACHE_LIMIT = 4096  # entries; emptied when full (shapes of a run are few, a test's may be many)
+
+
+def _parse_table(buf: bytes | memoryview, ntensors: int, receiver: str, sender: str) -> tuple[tuple[TensorSpec, ...], int]:
+    """A header's tensor table: its specs and the header's length; cached in _TABLES."""
+    off = _FIXED.size
+    specs = []
+    for _ in range(ntensors):
+        if len(buf) < off + _TENSOR.size:
+            raise ProtocolError(f"{receiver}: truncated tensor table from {sender}")
+        name, dcode, ndim = _TENSOR.unpack_from(buf, off)
+        off += _TENSOR.size
+        if dcode >= len(DTYPES) or name not in _NAMES:
+            raise ProtocolError(f"{receiver}: bad tensor entry (name {name}, dtype {dcode}) from {sender}")
+        if len(buf) < off + 4 * ndim:
+            raise ProtocolError(f"{receiver}: truncated tensor table from {sender}")
+        shape = struct.unpack_from(f"<{ndim}I", buf, off)
+        off += 4 * ndim
+        specs.append(TensorSpec(_NAMES[name], DTYPES[dcode], shape))
+    table = tuple(specs), off
+    if len(_TABLES) >= _CACHE_LIMIT:
+        _TABLES.clear()
+    _TABLES[(ntensors, bytes(buf[_FIXED.size :]))] = table
+    return table
+
+
+def _layout(specs: tuple[TensorSpec, ...]) -> tuple:
+    """(payload bytes, [(name, dtype, shape, offset, bytes)]) of a tensor table, cached by the tuple's identity
+    (a cached table's tuple is shared by every message that carries it)."""
+    entry = _LAYOUTS.get(id(specs))
+    if entry is not None and entry[0] is specs:
+        return entry[1], entry[2]
+    places, off = [], 0
+    for t in specs:
+        places.append((t.name, t.dtype, t.shape, off, t.num_bytes))
+        off += places[-1][4]
+    if len(_LAYOUTS) >= _CACHE_LIMIT:
+        _LAYOUTS.clear()
+    _LAYOUTS[id(specs)] = (specs, off, places)  # holds specs: its id is not reused while cached
+    return off, places
 
 
 @dataclass(slots=True)
@@ -242,12 +280,13 @@ def decode_payload(header: Header, payload: bytes | memoryview | torch.Tensor, r
     ``device``) or a fresh uint8 tensor the transport hands over (viewed in place, moved if needed).
     """
     size = payload.numel() if isinstance(payload, torch.Tensor) else len(payload)
-    if size != header.payload_bytes:
+    total, places = _layout(header.tensors)
+    if size != total:
         raise ProtocolError(
-            f"{receiver}: truncated payload from {header.source}: {size} of {header.payload_bytes} bytes "
+            f"{receiver}: truncated payload from {header.source}: {size} of {total} bytes "
             f"(layer {header.layer}, seq {header.seq})"
         )
-    if not header.tensors:
+    if not places:
         return Message(header, {})
     if isinstance(payload, torch.Tensor):
         buf = payload if device is None or payload.device == device else payload.to(device)
@@ -258,18 +297,19 @@ def decode_payload(header: Header, payload: bytes | memoryview | torch.Tensor, r
             payload = bytearray(payload)
         host = torch.frombuffer(payload, dtype=torch.uint8)
         buf = host.clone() if device is None or device.type == "cpu" else host.to(device)  # the one copy out
-    tensors, off = {}, 0
-    for spec in header.tensors:
-        raw = buf[off : off + spec.num_bytes]
-        if off % spec.dtype.itemsize:  # a dtype view needs an aligned offset
+    tensors = {}
+    for name, dtype, shape, off, n in places:
+        raw = buf[off : off + n]
+        if off % dtype.itemsize:  # a dtype view needs an aligned offset
             raw = raw.clone()
-        tensors[spec.name] = raw.view(spec.dtype).reshape(spec.shape)
-        off += spec.num_bytes
+        tensors[name] = raw.view(dtype).view(shape)
     return Message(header, tensors)
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes as a 1-d uint8 tensor on its own device (a view when it is contiguous)."""
+    if t.dtype == torch.uint8 and t.dim() == 1 and t.is_contiguous():  # already (a transport's payload, sent on)
+        return t
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 

@@ -66,3 +66,25 @@ def test_a_tensor_after_an_odd_sized_one_is_decoded_from_an_unaligned_offset():
     _, parts = encode(msg)
     out = decode_payload(msg.header, torch.cat([flat_bytes(t) for t in parts]), "test")
     assert torch.equal(out.get(TensorName.HIDDEN), hidden) and torch.equal(out.get(TensorName.EXPERT_IDS), ids)
+
+
+def test_a_tensor_table_seen_before_still_has_the_fixed_fields_checked():
+    """Parsed tables are cached by their bytes; the payload size and tensor count in the fixed part are checked every time."""
+    from afd.connectors import wire
+
+    msg = make_message(Header(Kind.WORK, Role.ATTENTION, 1, 0, 3, 0, 7, 2), {TensorName.HIDDEN: torch.ones(2, 4), TensorName.WEIGHTS: torch.ones(2, 1)})
+    hb, _ = encode(msg)
+    first, _ = Header.unpack(hb, "ffn rank 0")
+    again, size = Header.unpack(hb, "ffn rank 0")  # from the cache: the same specs, the same header
+    assert again == first == msg.header and size == len(hb) and again.tensors is first.tensors
+    fields = list(wire._FIXED.unpack_from(hb, 0))
+    fields[-1] += 4  # payload bytes
+    with pytest.raises(ProtocolError, match="declares 44 payload bytes but its tensor table sums to 40"):
+        Header.unpack(wire._FIXED.pack(*fields) + hb[wire._FIXED.size :], "ffn rank 0")
+    fields[-1] -= 4
+    fields[-2] = 1  # one tensor: the same table bytes read as one entry and trailing bytes
+    with pytest.raises(ProtocolError, match="tensor table sums to 32"):
+        Header.unpack(wire._FIXED.pack(*fields) + hb[wire._FIXED.size :], "ffn rank 0")
+    fields[-2] = 3  # a third entry the table does not hold
+    with pytest.raises(ProtocolError, match="truncated tensor table"):
+        Header.unpack(wire._FIXED.pack(*fields) + hb[wire._FIXED.size :], "ffn rank 0")
