@@ -207,47 +207,68 @@ def _print_aggregation(results: dict[str, dict], args, label: str) -> None:
 
 def _run_interleaved(model_dir: Path, args, pipelines: dict[str, PipelineConfig], prompts, forks) -> dict[str, dict]:
     """Every split mode on one launch, one run of each per round after a warm-up of each: medians of step time.
-    The sync runs are traced: each gives the overlap's ideal for its round, (T_attn + T_ffn) / max(T_attn, T_ffn),
-    T_attn the attention rank's own work in its trace (attention, dispatch, merge) and T_ffn the FFN rank's
-    busy time (its computed unions' spans) within the run. What is neither (transfers, wake-ups, the engine
-    between steps) is reported as the sync run's slack."""
+    Every run is traced. A sync run gives the overlap's ideal for its round, (T_attn + T_ffn) / max(T_attn,
+    T_ffn), T_attn the attention rank's own work in its trace (attention, dispatch, merge) and T_ffn the FFN
+    rank's busy time (its computed unions' spans) within the run; what is neither (transfers, wake-ups, the
+    engine between steps) is reported as its slack. An async run gives its split's cost: each side's work
+    against the sync run's of the round, and the best the split's own work allows, (T_attn + T_ffn of the sync
+    run) / max(T_attn, T_ffn of the async run)."""
     times: dict[str, list[float]] = {name: [] for name in pipelines}
-    windows: list[tuple[float, float, float]] = []  # each sync run: (start, end, attention busy seconds)
+    windows: dict[str, list[tuple[float, float, float]]] = {name: [] for name in pipelines}  # each run: (start, end, attention busy s)
     cluster, params = _cluster(model_dir, args, forks)
     with cluster:
         for pipeline in pipelines.values():
             generate(cluster, prompts, params, pipeline)  # warm-up
         for r in range(args.runs):
             for name, pipeline in pipelines.items():
-                traced = pipeline.mode == "sync"
-                if traced:
-                    cluster.request(0, SetTrace(True))
+                cluster.request(0, SetTrace(True))
                 t0 = time.perf_counter()
                 generate(cluster, prompts, params, pipeline)
                 times[name].append(time.perf_counter() - t0)
-                if traced:
-                    events, _ = cluster.request(0, GetTrace())
-                    cluster.request(0, SetTrace(False))
-                    windows.append((min(e.start for e in events), max(e.end for e in events),
-                                    sum(e.end - e.start for e in events if e.action in BUSY)))
+                events, _ = cluster.request(0, GetTrace())
+                cluster.request(0, SetTrace(False))
+                windows[name].append((min(e.start for e in events), max(e.end for e in events),
+                                      sum(e.end - e.start for e in events if e.action in BUSY)))
             print(f"round {r}: " + ", ".join(f"{name} {t[-1]:.3f} s" for name, t in times.items()), file=sys.stderr)
         ffn_rank = next(r for r in cluster.ranks if r.spec.role.name == "FFN")
-    ideals, slack = overlap_ideals(windows, (ffn_rank.final_stats or {}).get("spans", []))
+    spans = (ffn_rank.final_stats or {}).get("spans", [])
+    ideals, slack = overlap_ideals(windows["sync"], spans)
     results = {name: {"step_s": statistics.median(t), "runs_s": t} for name, t in times.items()}
     results["sync"].update(ideal_speedup=statistics.median(ideals), ideal_by_round=ideals, slack_by_round=slack)
+    for name in pipelines:
+        if name != "sync":
+            results[name]["split_by_round"] = split_costs(windows["sync"], windows[name], spans)
     return results
+
+
+def side_work(window: tuple[float, float, float], spans) -> tuple[float, float]:
+    """(T_attn, T_ffn) of one traced run (``window``: (start, end, attention busy seconds)): T_ffn is the FFN
+    rank's ``spans`` ((start, end, ...) of each computed union, on the attention rank's clock) within the run, cut
+    at its edges."""
+    start, end, attn = window
+    return attn, sum(min(b, end) - max(a, start) for a, b, *_ in spans if b > start and a < end)
 
 
 def overlap_ideals(windows, spans) -> tuple[list[float], list[float]]:
     """Per sync run (``windows``: (start, end, attention busy seconds)), the overlap's ideal (T_attn + T_ffn) /
-    max(T_attn, T_ffn) and the run's slack 1 - (T_attn + T_ffn) / its length; T_ffn is the FFN rank's ``spans``
-    ((start, end, ...) of each computed union, on the attention rank's clock) within the run, cut at its edges."""
+    max(T_attn, T_ffn) and the run's slack 1 - (T_attn + T_ffn) / its length (:func:`side_work`)."""
     ideals, slack = [], []
-    for start, end, attn in windows:
-        ffn = sum(min(b, end) - max(a, start) for a, b, *_ in spans if b > start and a < end)
+    for window in windows:
+        attn, ffn = side_work(window, spans)
         ideals.append((attn + ffn) / max(attn, ffn, 1e-9))
-        slack.append(max(0.0, 1 - (attn + ffn) / (end - start)))
+        slack.append(max(0.0, 1 - (attn + ffn) / (window[1] - window[0])))
     return ideals, slack
+
+
+def split_costs(sync_windows, split_windows, spans) -> list[dict[str, float]]:
+    """Per round, what splitting the step cost each side: its work in the split run over its work in the sync
+    run (``attention``, ``ffn``), and ``bound``, the most the split run could gain on the sync one with its own
+    work overlapped perfectly: (T_attn + T_ffn of the sync run) / max(T_attn, T_ffn of the split run)."""
+    out = []
+    for sync, split in zip(sync_windows, split_windows):
+        (a_s, f_s), (a_m, f_m) = side_work(sync, spans), side_work(split, spans)
+        out.append({"attention": a_m / max(a_s, 1e-9), "ffn": f_m / max(f_s, 1e-9), "bound": (a_s + f_s) / max(a_m, f_m, 1e-9)})
+    return out
 
 
 def _fill_drain(events) -> float:
@@ -377,6 +398,11 @@ def run(args: argparse.Namespace) -> int:
               f"ideal from the sync runs' traces {ideal:.2f}x (rounds {', '.join(f'{x:.2f}' for x in results['sync']['ideal_by_round'])}; "
               f"their slack, neither side's work, {', '.join(f'{x:.0%}' for x in results['sync']['slack_by_round'])}); "
               f"the issue's bar 1 + 0.8 (ideal - 1) = {1 + 0.8 * (ideal - 1):.2f}x")
+        split = results[f"async m={args.num_microbatches}"]["split_by_round"]
+        rounds = {key: ", ".join(f"{x[key]:.2f}x" for x in split) for key in ("attention", "ffn", "bound")}
+        print(f"split: async m={args.num_microbatches}'s own work against the sync run's, per round: attention {rounds['attention']}, "
+              f"FFN {rounds['ffn']}; the most its own work allows, overlapped perfectly: {rounds['bound']} "
+              f"(median {statistics.median(x['bound'] for x in split):.2f}x)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"model": label, "instruction_sets": instruction_sets(cpu_features()), "results": results,
                                                            "args": vars(args) | {"func": None}}, indent=2, default=str))

@@ -22,3 +22,14 @@ def test_the_ideal_takes_each_side_s_own_work_within_its_run():
 def test_a_run_without_ffn_work_has_the_ideal_one():
     ideals, slack = overlap_ideals([(0.0, 4.0, 2.0)], [])
     assert ideals == [1.0] and slack == pytest.approx([0.5])
+
+
+def test_a_split_run_s_cost_is_each_side_s_work_against_the_sync_run_s():
+    from afd.cli.bench_pipeline import split_costs
+
+    sync = [(0.0, 10.0, 3.0)]  # attention 3 s; the FFN's 5 s below
+    split = [(20.0, 28.0, 3.3)]  # attention 3.3 s; the FFN's 6 s below
+    spans = [(1.0, 6.0, 1, (), 8), (20.0, 26.0, 1, (), 4)]
+    (cost,) = split_costs(sync, split, spans)
+    assert cost["attention"] == pytest.approx(1.1) and cost["ffn"] == pytest.approx(1.2)
+    assert cost["bound"] == pytest.approx((3 + 5) / 6)  # not the sync run's ideal (3 + 5) / 5: the split's FFN work is 6 s
