@@ -68,10 +68,9 @@ class FFNWorker:
         self._offered: queue.Queue = queue.Queue()  # (version, model, placement) loaded by another thread, installed between rounds
         self.on_installed = None  # called with the version once its experts are usable here
         self._retired_counts: dict[tuple[int, int], int] = {}  # per-expert tokens of the experts of retired versions
+        self._retired_gemms = (0, 0)  # their expert GEMM pairs and rows
         self._tables: dict[tuple[int, int], CopyTable] = {}  # (placement version, FFN members mask) -> the copy choice
         self.mailbox = mailbox
-        self._held = torch.tensor(model.expert_ids, device=mailbox.device)  # the expert ids this rank computes
-        self._first_model = model
         self.num_attention_ranks = num_attention_ranks
         self.poll_interval = poll_interval
         self.relink_timeout = relink_timeout
@@ -79,8 +78,6 @@ class FFNWorker:
         self.items_served = 0  # non-empty parts computed
         self.tokens_served = 0
         self.batches = 0  # unions computed (one or more non-empty parts each)
-        self.expert_gemms = 0  # expert GEMM pairs run
-        self.expert_gemm_rows = 0  # rows over all of them
         self.attention_restart = False  # a lost attention rank is restarted: wait for it (its HELLO takes it back)
         self.attention_restarts = 0  # attention ranks taken back after a restart
         self._greeted: set[int] = set()  # attention ranks that said HELLO (another HELLO is a restart's)
@@ -114,7 +111,6 @@ class FFNWorker:
             return m.dense_mlp(layer, hidden)
         if Op.ROUTE in ops:
             routing = m.router(layer, hidden, token_ids)
-        self._count_gemms(routing.topk_ids, m)
         out = m.experts(layer, hidden, routing, quantized)
         if Op.SHARED in ops and shared_rows is not None:
             rows = shared_rows.nonzero().squeeze(1)
@@ -124,17 +120,18 @@ class FFNWorker:
                     out = out.index_add(0, rows, shared.to(out.dtype))
         return out
 
-    def _count_gemms(self, ids: torch.Tensor, model: MoEModel) -> None:
-        held = self._held if model is self._first_model else torch.tensor(model.expert_ids, device=ids.device)
-        mine = ids[torch.isin(ids, held.to(ids.dtype))]
-        if mine.numel():
-            counts = torch.bincount(mine)
-            self.expert_gemms += int((counts > 0).sum())
-            self.expert_gemm_rows += int(mine.numel())
+    @property
+    def expert_gemms(self) -> int:
+        """Expert GEMM pairs run here, over every placement version held (the experts count their own)."""
+        return self._retired_gemms[0] + sum(model.expert_gemm_counts()[0] for model, _ in self.versions.values())
 
     @property
     def mean_gemm_rows(self) -> float:
-        return self.expert_gemm_rows / max(1, self.expert_gemms)
+        gemms, rows = self._retired_gemms
+        for model, _ in self.versions.values():
+            g, r = model.expert_gemm_counts()
+            gemms, rows = gemms + g, rows + r
+        return rows / max(1, gemms)
 
     def stats(self) -> dict[str, float]:
         return {**self.live_stats(), "heartbeats_received": self.mailbox.stats.heartbeats_received, "spans": list(self.spans),
@@ -285,6 +282,8 @@ class FFNWorker:
         oldest_used = min(self.unions.newest_seen.get(a, 0) for a in open_ranks)
         for v in [v for v in self.versions if v < oldest_used]:
             model, _ = self.versions.pop(v)
+            gemms, rows = model.expert_gemm_counts()
+            self._retired_gemms = (self._retired_gemms[0] + gemms, self._retired_gemms[1] + rows)
             for key, n in model.expert_token_counts().items():
                 self._retired_counts[key] = self._retired_counts.get(key, 0) + n
 

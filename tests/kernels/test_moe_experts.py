@@ -198,3 +198,22 @@ def test_mxfp4_experts_decode_in_the_loop_as_the_reference_does(dtype, num_token
     scale = max(1.0, dense.abs().max().item())
     torch.testing.assert_close(got.double(), want.double(), atol=tol * scale, rtol=0)
     torch.testing.assert_close(got.double(), dense, atol=tol * scale, rtol=0)
+
+
+@pytest.mark.parametrize("path", ["native", "loop"])
+def test_the_experts_count_their_gemms_and_rows_as_the_routing_implies(path):
+    """What an FFN rank reports as rows per expert GEMM: per call, one GEMM pair per held expert with rows,
+    counted here from the ids alone (held ones only: -1 and experts held elsewhere are not this rank's)."""
+    if path == "native" and native_ops() is None:
+        pytest.fail("the native kernels did not build")
+    held = [0, 2, 3, 5, 6]
+    experts = make_experts(held)
+    gemms = rows = 0
+    with torch.inference_mode():
+        for tokens in (1, 3, 17):
+            ids, weights = routing(tokens, 2, 8, seed=tokens)
+            x = torch.randn(tokens, 24)
+            experts(x, ids, weights) if path == "native" else experts.reference(x, ids, weights)
+            mine = [e for e in ids.flatten().tolist() if e in held]
+            gemms, rows = gemms + len(set(mine)), rows + len(mine)
+    assert (experts.gemms, sum(experts.tokens_routed)) == (gemms, rows) and gemms > 3
