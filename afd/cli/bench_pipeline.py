@@ -188,12 +188,12 @@ def _idle_ffn_stats(cluster, timeout: float = 15.0) -> dict[str, dict]:
 
 
 def _print_aggregation(results: dict[str, dict], args, label: str) -> None:
-    rows = [("attention ranks", "run s", "tok/s", "GEMM rows", "parts/batch", "FFN CPU ms/tok", "FFN process ms/tok", "FFN wall ms/tok",
+    rows = [("attention ranks", "run s", "tok/s", "GEMM rows", "parts/batch", "FFN CPU us/tok", "FFN process us/tok", "FFN wall us/tok",
              "straggler ms/batch")]
     for name, r in results.items():
         rows.append((name, f"{r['step_s']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r['mean_gemm_rows']:.1f}", f"{r['items_per_ffn_batch']:.2f}",
-                     f"{1e3 * r['ffn_cpu_s_per_token']:.2f}", f"{1e3 * r['ffn_process_cpu_s_per_token']:.2f}",
-                     f"{1e3 * r['ffn_wall_s_per_token']:.2f}", f"{1e3 * r['straggler_wait_s_per_batch']:.2f}"))
+                     f"{1e6 * r['ffn_cpu_s_per_token']:.1f}", f"{1e6 * r['ffn_process_cpu_s_per_token']:.1f}",
+                     f"{1e6 * r['ffn_wall_s_per_token']:.1f}", f"{1e3 * r['straggler_wait_s_per_batch']:.2f}"))
     print_table(rows)
     first, last = next(iter(results.values())), list(results.values())[-1]
     load = f"{args.num_seqs} seqs per attention rank" if args.per_rank_load else f"{args.num_seqs} seqs in all"
