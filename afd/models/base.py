@@ -233,7 +233,7 @@ class MoEModel(nn.Module):
     def expert_gemm_counts(self) -> tuple[int, int]:
         """(expert GEMM pairs run, rows over all of them) by the routed experts held here, so far."""
         blocks = [layer.mlp.experts for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]
-        return sum(e.gemms for e in blocks), sum(sum(e.tokens_routed) for e in blocks)
+        return sum(sum(e.gemms_run) for e in blocks), sum(sum(e.tokens_routed) for e in blocks)
 
     def _check_loaded(self, tensor: torch.Tensor, what: str) -> None:
         if tensor.is_meta:

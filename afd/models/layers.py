@@ -191,7 +191,7 @@ class GroupedExperts(nn.Module):
         lookup[list(ids)] = torch.arange(len(ids), device="cpu")
         self._global_to_local = lookup  # constant [E] -> local index or -1
         self.tokens_routed = [0] * len(ids)  # (token, slot) rows each held expert has computed (a metric)
-        self.gemms = 0  # expert GEMM pairs run: per call, the held experts that had rows (a metric)
+        self.gemms_run = [0] * len(ids)  # calls in which each held expert had rows: its GEMM pairs (a metric)
         self.fp8_block: tuple[int, int] | None = None  # set by hold_fp8: weights are fp8, dequantised per expert GEMM
         self.mxfp4 = False  # set by hold_mxfp4: weights are MXFP4 blocks, decoded per expert GEMM
         self.int8 = False  # set by hold_int8: W8A8, int8 weights and per-token int8 activations (afd/models/int8.py)
@@ -254,9 +254,9 @@ class GroupedExperts(nn.Module):
             out, counts = kernels.moe_experts(x, self._local_ids(topk_ids), topk_weights, self.gate_up_proj, self.down_proj,
                                               *biases, self.swiglu_limit, self.swiglu_alpha, *scales, self.swiglu_offset)
         for e, n in enumerate(counts.tolist()):
-            if n:
+            if n:  # list items, not module attributes: nn.Module.__setattr__ costs microseconds a call
                 self.tokens_routed[e] += n
-                self.gemms += 1
+                self.gemms_run[e] += 1
         return out
 
     def _local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -291,7 +291,7 @@ class GroupedExperts(nn.Module):
                 if n == 0:
                     continue
                 self.tokens_routed[e] += n
-                self.gemms += 1
+                self.gemms_run[e] += 1
                 rows = order[start : start + n]
                 start += n
                 xe = x[rows // k]  # [n, H]
