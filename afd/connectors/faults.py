@@ -71,6 +71,11 @@ class FaultyMailbox:
             header_bytes, payload = damage(self._damage, message.header, header_bytes, payload)
         self._inner.send_frame(peer, message.header, header_bytes, payload)
 
+    def send_packed(self, peer: int, header_bytes: bytes, tensors: list[torch.Tensor], header: Header | None = None) -> None:
+        if self._plan.send_jitter:
+            time.sleep(random.uniform(0.0, self._plan.send_jitter))
+        self._inner.send_packed(peer, header_bytes, tensors, header)
+
     def recv(self, timeout: float) -> Message | None:
         msg = self._inner.recv(timeout)
         if self._signal is not None and msg is not None and msg.header.kind == Kind.WORK:

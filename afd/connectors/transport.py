@@ -145,22 +145,28 @@ class Mailbox(ABC):
         """Send to one peer. The message's tensors may still be read after this returns (an accelerator
         transport sends asynchronously, without a copy): never modify them in place afterwards."""
         header_bytes, tensors = encode(message)
-        wire = self.wire_device
-        self.send_frame(peer, message.header, header_bytes, [flat_bytes(t if t.device == wire else t.to(wire)) for t in tensors])
+        self.send_packed(peer, header_bytes, tensors, message.header)
 
-    def send_frame(self, peer: int, header: Header, header_bytes: bytes, payload: list[torch.Tensor]) -> None:
-        """Send one encoded frame: ``payload`` is 1-d uint8 tensors (views where possible) on ``wire_device``."""
+    def send_packed(self, peer: int, header_bytes: bytes, tensors: list[torch.Tensor], header: Header | None = None) -> None:
+        """Send a header the caller packed (an FFN rank's answers, :func:`~afd.connectors.wire.result_header`) and
+        its tensors, in table order; ``header``: the same header parsed, where the caller has it."""
+        wire = self.wire_device
+        self.send_frame(peer, header, header_bytes, [flat_bytes(t if t.device == wire else t.to(wire)) for t in tensors])
+
+    def send_frame(self, peer: int, header: Header | None, header_bytes: bytes, payload: list[torch.Tensor]) -> None:
+        """Send one encoded frame: ``payload`` is 1-d uint8 tensors (views where possible) on ``wire_device``;
+        ``header``: the frame's header parsed (None: not at hand, and no HELLO)."""
         with self._send_lock:
             self._send(peer, header_bytes, payload)
             self._last_sent[peer] = time.monotonic()
-            if header.kind == Kind.HELLO:
+            if header is not None and header.kind == Kind.HELLO:
                 self._greeted.add(peer)
         n_payload = sum(p.numel() for p in payload)
         self.stats.messages_sent += 1
         self.stats.bytes_sent += len(header_bytes) + n_payload
         self.stats.payload_bytes_sent[peer] = self.stats.payload_bytes_sent.get(peer, 0) + n_payload
         if self.io_log:
-            log.info("%s -> %s: %s", self.name, self.peer_name(peer), _describe(header))
+            log.info("%s -> %s: %s", self.name, self.peer_name(peer), _describe(header or Header.unpack(header_bytes, self.name)[0]))
 
     def recv(self, timeout: float) -> Message | None:
         """The next message from any peer, or None after ``timeout`` seconds."""

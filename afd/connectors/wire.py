@@ -267,6 +267,23 @@ def make_message(header: Header, tensors: dict[TensorName, torch.Tensor]) -> Mes
                           h.version, h.epoch, h.members, h.ffn_members, h.placement), dict(tensors))
 
 
+def result_header(work: Header, ffn_rank: int, output: torch.Tensor) -> bytes:
+    """The packed header of the RESULT that answers ``work`` with ``output`` [n, H] (``Header.pack`` of what
+    :func:`afd.connectors.work.result_message` builds, without building it: an FFN rank answers every part,
+    right after computing, when little of this code is still in the caches)."""
+    n, hidden = output.shape
+    table = _RESULT_TABLES.get((n, hidden, output.dtype))
+    if table is None:
+        if len(_RESULT_TABLES) >= _CACHE_LIMIT:
+            _RESULT_TABLES.clear()
+        table = _RESULT_TABLES[(n, hidden, output.dtype)] = _TENSOR.pack(TensorName.OUTPUT, _DTYPE_CODE[output.dtype], 2) + _DIM.pack(n) + _DIM.pack(hidden)
+    return _FIXED.pack(MAGIC, PROTOCOL_VERSION, Kind.RESULT, work.ops, Role.FFN, ffn_rank, work.src_index, work.layer, work.microbatch,
+                       work.seq, work.epoch, work.members, work.ffn_members, work.placement, n, 1, n * hidden * output.dtype.itemsize) + table
+
+
+_RESULT_TABLES: dict[tuple[int, int, torch.dtype], bytes] = {}
+
+
 def encode(message: Message) -> tuple[bytes, list[torch.Tensor]]:
     """-> (header bytes, tensors to put on the wire after it, in table order)."""
     return message.header.pack(), [message.tensors[s.name].contiguous() for s in message.header.tensors]

@@ -32,8 +32,8 @@ import torch
 
 from afd.connectors.dispatch_dtype import QuantizedRows
 from afd.connectors.transport import Mailbox, PeerDiedError, PeerSilentError
-from afd.connectors.wire import Header, Kind, Op, ProtocolError, Role, make_message
-from afd.connectors.work import WorkItem, error_message, parse_work, result_message
+from afd.connectors.wire import Header, Kind, Op, ProtocolError, Role, make_message, result_header
+from afd.connectors.work import WorkItem, error_message, parse_work
 from afd.distributed.placement import CopyTable, ExpertPlacement, mask_ranks
 from afd.ffn.unions import Union, Unions
 from afd.models.base import MoEModel
@@ -360,7 +360,8 @@ class FFNWorker:
                 start += n
                 continue
             try:
-                self.mailbox.send(h.src_index, result_message(h, self.mailbox.index, out[start : start + n]))
+                rows = out[start : start + n]
+                self.mailbox.send_packed(h.src_index, result_header(h, self.mailbox.index, rows), [rows])
             except PeerDiedError as e:  # it died since it sent this part
                 if e.peer is None:
                     raise
