@@ -31,6 +31,7 @@ import torch
 
 from afd import env
 from afd.cli.common import cpu_features, instruction_sets, print_table
+from afd.cli.pipeline_trace import fill_drain, overlap_ideals, run_window, split_costs
 from afd.config import EngineArgs, PipelineConfig, SamplingParams
 from afd.distributed.topology import DISPATCH_DTYPES
 from afd.microbatch import CostModel
@@ -38,7 +39,6 @@ from afd.runtime.forkserver import RunForkServer
 from afd.runtime.messages import GetTrace, SetTrace
 from afd.serving.offline import generate
 
-BUSY = ("attention", "dispatch", "merge")  # the attention rank's own work in its trace (the rest: waiting on the FFN side)
 
 
 def add_parser(bsub: argparse._SubParsersAction) -> None:
@@ -110,11 +110,10 @@ def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts, forks) 
             wall = time.perf_counter() - t0
             events, _ = cluster.request(0, GetTrace())
             times.append(wall)
-            span = max(e.end for e in events) - min(e.start for e in events)
-            attn = sum(e.end - e.start for e in events if e.action in BUSY)
-            busy.append(attn / span)
+            start, end, attn = run_window(events)
+            busy.append(attn / (end - start))
             inflight.append(statistics.mean(e.in_flight for e in events if e.action == "dispatch"))
-            edges.append(_fill_drain(events))
+            edges.append(fill_drain(events))
             for e in events:
                 if e.action == "plan":  # adaptive: "chose m=2 (...)"
                     m = int(e.note.split("m=", 1)[1].split()[0])
@@ -227,8 +226,7 @@ def _run_interleaved(model_dir: Path, args, pipelines: dict[str, PipelineConfig]
                 times[name].append(time.perf_counter() - t0)
                 events, _ = cluster.request(0, GetTrace())
                 cluster.request(0, SetTrace(False))
-                windows[name].append((min(e.start for e in events), max(e.end for e in events),
-                                      sum(e.end - e.start for e in events if e.action in BUSY)))
+                windows[name].append(run_window(events))
             print(f"round {r}: " + ", ".join(f"{name} {t[-1]:.3f} s" for name, t in times.items()), file=sys.stderr)
         ffn_rank = next(r for r in cluster.ranks if r.spec.role.name == "FFN")
     spans = (ffn_rank.final_stats or {}).get("spans", [])
@@ -239,53 +237,6 @@ def _run_interleaved(model_dir: Path, args, pipelines: dict[str, PipelineConfig]
         if name != "sync":
             results[name]["split_by_round"] = split_costs(windows["sync"], windows[name], spans)
     return results
-
-
-def side_work(window: tuple[float, float, float], spans) -> tuple[float, float]:
-    """(T_attn, T_ffn) of one traced run (``window``: (start, end, attention busy seconds)): T_ffn is the FFN
-    rank's ``spans`` ((start, end, ...) of each computed union, on the attention rank's clock) within the run, cut
-    at its edges."""
-    start, end, attn = window
-    return attn, sum(min(b, end) - max(a, start) for a, b, *_ in spans if b > start and a < end)
-
-
-def overlap_ideals(windows, spans) -> tuple[list[float], list[float]]:
-    """Per sync run (``windows``: (start, end, attention busy seconds)), the overlap's ideal (T_attn + T_ffn) /
-    max(T_attn, T_ffn) and the run's slack 1 - (T_attn + T_ffn) / its length (:func:`side_work`)."""
-    ideals, slack = [], []
-    for window in windows:
-        attn, ffn = side_work(window, spans)
-        ideals.append((attn + ffn) / max(attn, ffn, 1e-9))
-        slack.append(max(0.0, 1 - (attn + ffn) / (window[1] - window[0])))
-    return ideals, slack
-
-
-def split_costs(sync_windows, split_windows, spans) -> list[dict[str, float]]:
-    """Per round, what splitting the step cost each side: its work in the split run over its work in the sync
-    run (``attention``, ``ffn``), and ``bound``, the most the split run could gain on the sync one with its own
-    work overlapped perfectly: (T_attn + T_ffn of the sync run) / max(T_attn, T_ffn of the split run)."""
-    out = []
-    for sync, split in zip(sync_windows, split_windows):
-        (a_s, f_s), (a_m, f_m) = side_work(sync, spans), side_work(split, spans)
-        out.append({"attention": a_m / max(a_s, 1e-9), "ffn": f_m / max(f_s, 1e-9), "bound": (a_s + f_s) / max(a_m, f_m, 1e-9)})
-    return out
-
-
-def _fill_drain(events) -> float:
-    """Share of the run's step time spent filling and draining the pipeline: per step, from its first
-    attention to its first dispatch (the FFN side has nothing yet), and from its last dispatch to its
-    last combine (the attention side has nothing left)."""
-    steps: dict[int, list] = {}
-    for e in events:
-        if e.action in (*BUSY, "combine"):
-            steps.setdefault(e.seq, []).append(e)
-    edge = total = 0.0
-    for evs in steps.values():
-        start, end = min(e.start for e in evs), max(e.end for e in evs)
-        dispatches = [e for e in evs if e.action == "dispatch"]
-        edge += (min(e.start for e in dispatches) - start) + (end - max(e.end for e in dispatches))
-        total += end - start
-    return edge / total if total else 0.0
 
 
 def _run_monolithic(model_dir: Path, args, prompts) -> dict:

@@ -37,7 +37,7 @@ from afd.connectors.work import WorkItem, error_message, parse_work
 from afd.distributed.placement import CopyTable, ExpertPlacement, mask_ranks
 from afd.ffn.unions import Union, Unions
 from afd.models.base import MoEModel
-from afd.models.layers import GroupedExperts
+from afd.models.layers import experts_dtype
 from afd.types import Routing
 
 log = logging.getLogger(__name__)
@@ -45,13 +45,9 @@ log = logging.getLogger(__name__)
 SILENCE_CHECK_S = 0.25  # while busy, the attention ranks' silence is checked at most this often
 
 
-def compute_dtype(model: MoEModel) -> torch.dtype:
-    """The dtype an FFN rank computes in: its routed experts' (their compute dtype when held fp8, MXFP4 or int8)."""
-    for layer in model.model.layers:
-        experts = getattr(layer.mlp, "experts", None)
-        if isinstance(experts, GroupedExperts) and not experts.gate_up_proj.is_meta:
-            return experts.compute_dtype or experts.gate_up_proj.dtype
-    return torch.float32
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts' rows in one tensor (a union of one part: that part, not a copy)."""
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 class FFNWorker:
@@ -60,7 +56,7 @@ class FFNWorker:
         """``relink_timeout``: how long a restarted attention rank's links may take to open (a rank passes its
         hang timeout; the restart opened its ends before it said it was loaded)."""
         self.model = model  # the newest placement version's experts
-        self.dtype = compute_dtype(model)  # what rows sent in another dtype (--dispatch-dtype) are computed in
+        self.dtype = experts_dtype(model)  # what rows sent in another dtype (--dispatch-dtype) are computed in
         self.placement = placement  # with redundant copies: the gate's slots this rank keeps depend on it
         self.placement_version = placement_version
         # placement version -> (its experts, the placement): during a rebalance two, until every sender uses the new one
@@ -325,11 +321,11 @@ class FFNWorker:
         items = [union.parts[a] for a in sorted(union.parts) if union.parts[a].header.num_tokens]  # attention-rank order
         if not items:
             return  # every contributor had nothing for this rank
-        hidden = torch.cat([it.hidden for it in items]) if len(items) > 1 else items[0].hidden
+        hidden = _joined([it.hidden for it in items])
         model, placement = self.versions[union.placement]
         quantized = None
         if items[0].hidden_scales is not None:  # an int8 / fp8 dispatch: the values and their per-row scales
-            quantized = QuantizedRows(hidden, torch.cat([it.hidden_scales for it in items]) if len(items) > 1 else items[0].hidden_scales)
+            quantized = QuantizedRows(hidden, _joined([it.hidden_scales for it in items]))
             hidden = quantized.dequantize(self.dtype)
             if quantized.values.dtype != torch.int8:
                 quantized = None  # fp8 rows: dequantised for every consumer
@@ -337,11 +333,11 @@ class FFNWorker:
             hidden = hidden.to(self.dtype)
         routing = None
         if items[0].routing is not None:
-            routing = Routing(torch.cat([it.routing.topk_ids for it in items]), torch.cat([it.routing.topk_weights for it in items]))
-        shared = torch.cat([it.shared_rows for it in items]) if items[0].shared_rows is not None else None
+            routing = Routing(_joined([it.routing.topk_ids for it in items]), _joined([it.routing.topk_weights for it in items]))
+        shared = _joined([it.shared_rows for it in items]) if items[0].shared_rows is not None else None
         token_ids = None
         if items[0].token_ids is not None:  # a hash-routed layer's gate here: every part carries its rows' tokens
-            token_ids = torch.cat([it.token_ids for it in items]) if len(items) > 1 else items[0].token_ids
+            token_ids = _joined([it.token_ids for it in items])
         t0, c0 = time.perf_counter(), time.thread_time()
         ops = union.ops
         if Op.ROUTE in ops and placement is not None and placement.redundant:

@@ -306,3 +306,13 @@ class GroupedExperts(nn.Module):
                 ye = self._project(e, 1, act, b_down, weights_e)  # [n, H], the expert's bias before its weight
                 out[rows] = (ye * weights[rows, None]).to(out.dtype)
         return out.view(num_tokens, k, -1).sum(dim=1)
+
+
+def experts_dtype(model) -> torch.dtype:
+    """The dtype a model's routed experts compute in (their compute dtype when held fp8, MXFP4 or int8): an FFN
+    rank's, which rows sent in another dtype (--dispatch-dtype) are converted to."""
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if isinstance(experts, GroupedExperts) and not experts.gate_up_proj.is_meta:
+            return experts.compute_dtype or experts.gate_up_proj.dtype
+    return torch.float32

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from afd.cli.bench_pipeline import overlap_ideals
+from afd.cli.pipeline_trace import overlap_ideals
 
 
 def test_the_ideal_takes_each_side_s_own_work_within_its_run():
@@ -25,7 +25,7 @@ def test_a_run_without_ffn_work_has_the_ideal_one():
 
 
 def test_a_split_run_s_cost_is_each_side_s_work_against_the_sync_run_s():
-    from afd.cli.bench_pipeline import split_costs
+    from afd.cli.pipeline_trace import split_costs
 
     sync = [(0.0, 10.0, 3.0)]  # attention 3 s; the FFN's 5 s below
     split = [(20.0, 28.0, 3.3)]  # attention 3.3 s; the FFN's 6 s below

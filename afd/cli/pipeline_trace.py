@@ -1,0 +1,62 @@
+"""What a traced pipeline run says about its overlap (``afd bench pipeline``): each side's own work, the overlap's
+ideal from a sync run, what splitting the step cost each side, and the share spent filling and draining.
+
+A run's window is (start, end, the attention rank's busy seconds in its trace); the FFN rank's spans are
+(start, end, ...) of each union it computed, on the same clock (``time.perf_counter``: one clock per host).
+"""
+
+from __future__ import annotations
+
+BUSY = ("attention", "dispatch", "merge")  # the attention rank's own work in its trace (the rest: waiting on the FFN side)
+
+
+def run_window(events) -> tuple[float, float, float]:
+    """A traced run's window: (its first event's start, its last event's end, the attention rank's busy seconds)."""
+    return min(e.start for e in events), max(e.end for e in events), sum(e.end - e.start for e in events if e.action in BUSY)
+
+
+def side_work(window: tuple[float, float, float], spans) -> tuple[float, float]:
+    """(T_attn, T_ffn) of one traced run (``window``: (start, end, attention busy seconds)): T_ffn is the FFN
+    rank's ``spans`` ((start, end, ...) of each computed union, on the attention rank's clock) within the run, cut
+    at its edges."""
+    start, end, attn = window
+    return attn, sum(min(b, end) - max(a, start) for a, b, *_ in spans if b > start and a < end)
+
+
+def overlap_ideals(windows, spans) -> tuple[list[float], list[float]]:
+    """Per sync run (``windows``: (start, end, attention busy seconds)), the overlap's ideal (T_attn + T_ffn) /
+    max(T_attn, T_ffn) and the run's slack 1 - (T_attn + T_ffn) / its length (:func:`side_work`)."""
+    ideals, slack = [], []
+    for window in windows:
+        attn, ffn = side_work(window, spans)
+        ideals.append((attn + ffn) / max(attn, ffn, 1e-9))
+        slack.append(max(0.0, 1 - (attn + ffn) / (window[1] - window[0])))
+    return ideals, slack
+
+
+def split_costs(sync_windows, split_windows, spans) -> list[dict[str, float]]:
+    """Per round, what splitting the step cost each side: its work in the split run over its work in the sync
+    run (``attention``, ``ffn``), and ``bound``, the most the split run could gain on the sync one with its own
+    work overlapped perfectly: (T_attn + T_ffn of the sync run) / max(T_attn, T_ffn of the split run)."""
+    out = []
+    for sync, split in zip(sync_windows, split_windows):
+        (a_s, f_s), (a_m, f_m) = side_work(sync, spans), side_work(split, spans)
+        out.append({"attention": a_m / max(a_s, 1e-9), "ffn": f_m / max(f_s, 1e-9), "bound": (a_s + f_s) / max(a_m, f_m, 1e-9)})
+    return out
+
+
+def fill_drain(events) -> float:
+    """Share of the run's step time spent filling and draining the pipeline: per step, from its first
+    attention to its first dispatch (the FFN side has nothing yet), and from its last dispatch to its
+    last combine (the attention side has nothing left)."""
+    steps: dict[int, list] = {}
+    for e in events:
+        if e.action in (*BUSY, "combine"):
+            steps.setdefault(e.seq, []).append(e)
+    edge = total = 0.0
+    for evs in steps.values():
+        start, end = min(e.start for e in evs), max(e.end for e in evs)
+        dispatches = [e for e in evs if e.action == "dispatch"]
+        edge += (min(e.start for e in dispatches) - start) + (end - max(e.end for e in dispatches))
+        total += end - start
+    return edge / total if total else 0.0
