@@ -335,4 +335,4 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = flat_bytes(t)
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.numpy()).cast("B")
+    return memoryview(t.numpy())  # 1-d uint8: already format "B", one byte an item
