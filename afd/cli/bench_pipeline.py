@@ -354,6 +354,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"split: async m={args.num_microbatches}'s own work against the sync run's, per round: attention {rounds['attention']}, "
               f"FFN {rounds['ffn']}; the most its own work allows, overlapped perfectly: {rounds['bound']} "
               f"(median {statistics.median(x['bound'] for x in split):.2f}x)")
+        if statistics.median(x["bound"] for x in split) < 1.05:
+            print(f"split: at m={args.num_microbatches} the split adds about what overlapping can hide on this machine: keep such steps "
+                  f"whole (--min-microbatch-tokens, or --num-microbatches auto), or put more work on the lighter side (--dense-on)")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"model": label, "instruction_sets": instruction_sets(cpu_features()), "results": results,
                                                            "args": vars(args) | {"func": None}}, indent=2, default=str))
