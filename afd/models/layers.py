@@ -190,6 +190,7 @@ class GroupedExperts(nn.Module):
         lookup = torch.full((num_experts,), -1, dtype=torch.long, device="cpu")
         lookup[list(ids)] = torch.arange(len(ids), device="cpu")
         self._global_to_local = lookup  # constant [E] -> local index or -1
+        self._holds_all = self.expert_ids == tuple(range(num_experts))  # local index = logical id (one FFN rank, monolithic)
         self.tokens_routed = [0] * len(ids)  # (token, slot) rows each held expert has computed (a metric)
         self.gemms_run = [0] * len(ids)  # calls in which each held expert had rows: its GEMM pairs (a metric)
         self.fp8_block: tuple[int, int] | None = None  # set by hold_fp8: weights are fp8, dequantised per expert GEMM
@@ -244,14 +245,16 @@ class GroupedExperts(nn.Module):
             return self.reference(x, topk_ids, topk_weights, quantized if self.int8 else None)
         # the loop of :meth:`reference` in one C++ call (afd/kernels/csrc/moe_experts.cpp says how)
         biases = (self.gate_up_proj_bias, self.down_proj_bias) if self.bias else (None, None)
+        # every expert held: the ids are the local indices (the kernel checks each is in [-1, E)); else mapped
+        local = topk_ids if self._holds_all and topk_ids.dtype == torch.long else self._local_ids(topk_ids)
         if self.int8:
             q, s = quantized if quantized is not None else (None, None)
-            out, counts = kernels.moe_experts_int8(x, q, s, self._local_ids(topk_ids), topk_weights, self.gate_up_proj, self.down_proj,
+            out, counts = kernels.moe_experts_int8(x, q, s, local, topk_weights, self.gate_up_proj, self.down_proj,
                                                    self.gate_up_proj_scale, self.down_proj_scale, *self._int8_row_bias, *biases,
                                                    self.swiglu_limit, self.swiglu_alpha, self.swiglu_offset)
         else:
             scales = (self.gate_up_proj_scales, self.down_proj_scales) if self.mxfp4 else (None, None)
-            out, counts = kernels.moe_experts(x, self._local_ids(topk_ids), topk_weights, self.gate_up_proj, self.down_proj,
+            out, counts = kernels.moe_experts(x, local, topk_weights, self.gate_up_proj, self.down_proj,
                                               *biases, self.swiglu_limit, self.swiglu_alpha, *scales, self.swiglu_offset)
         for e, n in enumerate(counts.tolist()):
             if n:  # list items, not module attributes: nn.Module.__setattr__ costs microseconds a call

@@ -217,3 +217,19 @@ def test_the_experts_count_their_gemms_and_rows_as_the_routing_implies(path):
             mine = [e for e in ids.flatten().tolist() if e in held]
             gemms, rows = gemms + len(set(mine)), rows + len(mine)
     assert (sum(experts.gemms_run), sum(experts.tokens_routed)) == (gemms, rows) and gemms > 3
+
+
+def test_with_every_expert_held_the_ids_go_unmapped_and_an_id_out_of_range_is_refused():
+    """One FFN rank (or a monolithic model) holds every expert: the logical ids are the local indices and go to the
+    kernel as they are; the kernel, not a lookup, is then what refuses an id past the experts."""
+    if native_ops() is None:
+        pytest.fail("the native kernels did not build")
+    experts = make_experts(list(range(8)))
+    ids, weights = routing(5, 2, 8, seed=3)
+    x = torch.randn(5, 24)
+    with torch.inference_mode():
+        torch.testing.assert_close(experts(x, ids, weights).double(), dense_reference(experts, x, ids, weights), rtol=1e-4, atol=1e-5)
+        bad = ids.clone()
+        bad[2, 1] = 8
+        with pytest.raises(RuntimeError, match=r"local expert id 8 is not in \[-1, 8\)"):
+            experts(x, bad, weights)
