@@ -6,8 +6,8 @@ An FFN rank receives a part from every contributor of a union (the header parsed
 copied out of the shm ring, the part kept in the union book), computes the union, and answers every part
 (its rows under a header of their own). The receiving and answering are Python, per part; with 4 attention
 ranks there are 4 of them per union where 1 attention rank sends 1. This runs that path in one process and
-one thread over real shm links (the attention ranks' mailboxes beside the FFN rank's), with the model's
-routed experts computed on each union or not (``--no-compute``), and prints the CPU of each half per part.
+one thread over real shm links (the attention ranks' mailboxes beside the FFN rank's), once without computing
+the unions and once computing the model's routed experts on each, and prints the CPU of each half per part.
 Computing the union streams the layer's expert weights through the caches, so the answers right after it,
 and the next union's receiving, run on cold caches: the gap between the two columns is that
 (docs/benchmarks.md, "Issue 30, seventh stop").

@@ -40,7 +40,6 @@ from afd.runtime.messages import GetTrace, SetTrace
 from afd.serving.offline import generate
 
 
-
 def add_parser(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("pipeline", help="async vs sync vs monolithic on one topology")
     p.add_argument("model", nargs="?", help="model directory (default: a synthetic DeepSeek-V2-Lite-shaped checkpoint written to a temp dir)")
@@ -296,10 +295,7 @@ def run(args: argparse.Namespace) -> int:
         if args.attention_ranks:
             results = _run_aggregation(model_dir, args, prompts, forks)
             _print_aggregation(results, args, label)
-            if args.json_out:
-                Path(args.json_out).write_text(json.dumps({"model": label, "instruction_sets": instruction_sets(cpu_features()), "results": results,
-                                                           "args": vars(args) | {"func": None}},
-                                                          indent=2, default=str))
+            _write_json(args, label, results)
             return 0
         cost = _auto_costs(model_dir, args)
         m, split = args.num_microbatches, args.split
@@ -353,11 +349,16 @@ def run(args: argparse.Namespace) -> int:
         rounds = {key: ", ".join(f"{x[key]:.2f}x" for x in split) for key in ("attention", "ffn", "bound")}
         print(f"split: async m={args.num_microbatches}'s own work against the sync run's, per round: attention {rounds['attention']}, "
               f"FFN {rounds['ffn']}; the most its own work allows, overlapped perfectly: {rounds['bound']} "
-              f"(median {statistics.median(x['bound'] for x in split):.2f}x)")
-        if statistics.median(x["bound"] for x in split) < 1.05:
+              f"(median {(bound := statistics.median(x['bound'] for x in split)):.2f}x)")
+        if bound < 1.05:
             print(f"split: at m={args.num_microbatches} the split adds about what overlapping can hide on this machine: keep such steps "
                   f"whole (--min-microbatch-tokens, or --num-microbatches auto), or put more work on the lighter side (--dense-on)")
+    _write_json(args, label, results)
+    return 0
+
+
+def _write_json(args: argparse.Namespace, label: str, results: dict) -> None:
+    """``--json``: the results, with the model, the machine's instruction sets and the arguments."""
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"model": label, "instruction_sets": instruction_sets(cpu_features()), "results": results,
-                                                           "args": vars(args) | {"func": None}}, indent=2, default=str))
-    return 0
+                                                   "args": vars(args) | {"func": None}}, indent=2, default=str))

@@ -156,9 +156,7 @@ class Header:
                 self.payload_bytes,
             )
         ]
-        for t in self.tensors:
-            parts.append(_TENSOR.pack(t.name, _DTYPE_CODE[t.dtype], len(t.shape)))
-            parts.extend(_DIM.pack(d) for d in t.shape)
+        parts.extend(_table_entry(t.name, t.dtype, t.shape) for t in self.tensors)
         return b"".join(parts)
 
     @classmethod
@@ -202,7 +200,13 @@ class Header:
 _TABLES: dict[tuple[int, bytes], tuple[tuple[TensorSpec, ...], int]] = {}
 # id(specs) -> (specs, payload bytes, [(name, dtype, shape, offset, bytes)]): where each tensor lies in a payload
 _LAYOUTS: dict[int, tuple] = {}
+_RESULT_TABLES: dict[tuple[int, int, torch.dtype], bytes] = {}  # (rows, hidden, dtype) -> an answer's packed table
 _CACHE_LIMIT = 4096  # entries; emptied when full (shapes of a run are few, a test's may be many)
+
+
+def _table_entry(name: TensorName, dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    """One tensor's entry of a packed tensor table: name, dtype, ndim, then each dim."""
+    return _TENSOR.pack(name, _DTYPE_CODE[dtype], len(shape)) + b"".join(_DIM.pack(d) for d in shape)
 
 
 def _parse_table(buf: bytes | memoryview, ntensors: int, receiver: str, sender: str) -> tuple[tuple[TensorSpec, ...], int]:
@@ -276,12 +280,10 @@ def result_header(work: Header, ffn_rank: int, output: torch.Tensor) -> bytes:
     if table is None:
         if len(_RESULT_TABLES) >= _CACHE_LIMIT:
             _RESULT_TABLES.clear()
-        table = _RESULT_TABLES[(n, hidden, output.dtype)] = _TENSOR.pack(TensorName.OUTPUT, _DTYPE_CODE[output.dtype], 2) + _DIM.pack(n) + _DIM.pack(hidden)
+        table = _RESULT_TABLES[(n, hidden, output.dtype)] = _table_entry(TensorName.OUTPUT, output.dtype, (n, hidden))
     return _FIXED.pack(MAGIC, PROTOCOL_VERSION, Kind.RESULT, work.ops, Role.FFN, ffn_rank, work.src_index, work.layer, work.microbatch,
                        work.seq, work.epoch, work.members, work.ffn_members, work.placement, n, 1, n * hidden * output.dtype.itemsize) + table
 
-
-_RESULT_TABLES: dict[tuple[int, int, torch.dtype], bytes] = {}
 
 
 def encode(message: Message) -> tuple[bytes, list[torch.Tensor]]:

@@ -116,17 +116,21 @@ class FFNWorker:
                     out = out.index_add(0, rows, shared.to(out.dtype))
         return out
 
-    @property
-    def expert_gemms(self) -> int:
-        """Expert GEMM pairs run here, over every placement version held (the experts count their own)."""
-        return self._retired_gemms[0] + sum(model.expert_gemm_counts()[0] for model, _ in self.versions.values())
-
-    @property
-    def mean_gemm_rows(self) -> float:
+    def _gemm_counts(self) -> tuple[int, int]:
+        """(expert GEMM pairs, rows over them) run here, over every placement version held (the experts count their own)."""
         gemms, rows = self._retired_gemms
         for model, _ in self.versions.values():
             g, r = model.expert_gemm_counts()
             gemms, rows = gemms + g, rows + r
+        return gemms, rows
+
+    @property
+    def expert_gemms(self) -> int:
+        return self._gemm_counts()[0]
+
+    @property
+    def mean_gemm_rows(self) -> float:
+        gemms, rows = self._gemm_counts()
         return rows / max(1, gemms)
 
     def stats(self) -> dict[str, float]:
