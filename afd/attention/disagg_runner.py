@@ -35,6 +35,7 @@ from afd.distributed.topology import Topology
 from afd.kvcache import AttentionMetadata, PagedKVCache, SeqChunk, build_attention_metadata, last_token_rows
 from afd.models.base import MoEModel, Observer
 from afd.microbatch import Action, CostModel, MicrobatchPlan, ping_pong
+from afd.microbatch.learn import CostLearner
 from afd.types import AttentionOutput, Routing
 
 
@@ -53,6 +54,10 @@ class _Microbatch:
     handle: DispatchHandle | None = None
     local_out: torch.Tensor | None = None  # FFN half computed on this rank
     captured: dict = field(default_factory=dict)
+    work_s: float = 0.0  # this rank's work on it over the layers (attention, dispatch, merge): what the planner learns
+    ffn_s: float = 0.0  # the FFN side's compute of its union over the layers (RESULT headers)
+    ffn_layers: int = 0
+    wire_s: float = float("inf")  # its fastest round trip less the FFN compute, over the layers
 
     @property
     def is_empty(self) -> bool:
@@ -104,6 +109,8 @@ class DisaggregatedRunner:
         self.num_idle_steps = 0  # agreed steps without work here: no model pass
         self.num_degraded_steps = 0  # steps whose plan could not form the micro-batches asked for
         self.on_placement = None  # called with the version when an agreed step switches the expert placement
+        self.learner = CostLearner()  # the auto planner's costs, from this rank's own steps (afd/microbatch/learn.py)
+        self.ffn_busy_s = 0.0  # the FFN side's compute of every union the learner was shown
 
     # ------------------------------------------------------------------ agreement
     @property
@@ -127,16 +134,22 @@ class DisaggregatedRunner:
             cost = replace(cost, num_experts=moe.num_experts, top_k=moe.top_k)  # the expert-read term
         return cost
 
+    @property
+    def _learning(self) -> bool:
+        return self.pipeline.adaptive and self.pipeline.learn_costs and self.pipeline.mode == "async"
+
     def _agree(self, spans: tuple[tuple[int, int], ...], solo: bool = False) -> StepPlan:
         layers = self.model.config.num_layers
         self.endpoint.poll_links()  # the vote names the replacements linked so far
+        learned = self.learner.model if self._learning else None
         if self.plane is None or solo:
             epoch = 0 if self.plane is None else SOLO_EPOCH + self.endpoint.rank
             plan = local_plan(self._local_step, self.endpoint.rank, spans, self.pipeline, layers, self._cost(), epoch,
-                              self.endpoint.ready_mask, self.endpoint.ready_placement if self.plane is None else -1)
+                              self.endpoint.ready_mask, self.endpoint.ready_placement if self.plane is None else -1, learned)
             self._local_step += 1
         else:
-            plan = self.plane.agree(spans, self.pipeline, layers, self._cost(), self.endpoint.ready_mask, self.endpoint.ready_placement)
+            plan = self.plane.agree(spans, self.pipeline, layers, self._cost(), self.endpoint.ready_mask, self.endpoint.ready_placement,
+                                    learned)
         if self.plane is None or not solo:  # what every member has ready is used from this step: a replacement FFN rank,
             self.endpoint.admit(plan.ffn_ready)  # a new expert placement
             if self.endpoint.use(plan.placement) and self.on_placement is not None:
@@ -147,7 +160,7 @@ class DisaggregatedRunner:
             estimates = ", ".join(f"m={m}: {t:.3g}" for m, t in plan.estimates)
             self.trace.append(TraceEvent(now, now, "plan", 0, -1, plan.step, 0,
                                          f"agreed m={plan.num_microbatches} (contributors {list(plan.contributors)})"
-                                         + (f" from {estimates}" if estimates else "")))
+                                         + (f" from {estimates}" if estimates else "") + (" (learned costs, s)" if plan.learned else "")))
         return plan
 
     def idle(self) -> StepPlan:
@@ -162,7 +175,7 @@ class DisaggregatedRunner:
         """This rank's share of the agreed step, cut into exactly the agreed m micro-batches (the last
         ones empty when it has fewer pieces to give)."""
         spans = [(c.start, c.length) for c in chunks]
-        plan = own_plan(tuple(spans), step.requested, self.pipeline, self._cost())  # at most the agreed m pieces
+        plan = own_plan(tuple(spans), step.requested, self.pipeline, step.cost or self._cost())  # at most the agreed m pieces
         self.last_plan = plan
         self.num_steps += 1
         degraded = plan.degraded
@@ -214,6 +227,7 @@ class DisaggregatedRunner:
                 mb.hidden = m.embed(mb.token_ids)
         record = observer is not None
         credits = min(self.pipeline.effective_credits, len(mbs)) if len(mbs) > 1 else 1
+        learning = self._learning
         for action in ping_pong(len(mbs), m.config.num_layers, credits):
             t0 = waited = time.perf_counter()
             mb = mbs[action.microbatch]
@@ -222,14 +236,27 @@ class DisaggregatedRunner:
             elif action.action is Action.DISPATCH:
                 self._dispatch(mb, action.layer, step)
             else:
-                waited = self._combine(mb, action.layer, record)
+                waited = self._combine(mb, action.layer, record, learning)
+            if learning:
+                mb.work_s += time.perf_counter() - waited
             if self.trace is not None:
                 self._traced(action, t0, waited)
+        if learning:
+            self._learn(step, mbs)
         real = [mb for mb in mbs if not mb.is_empty]
         hidden = torch.cat([mb.hidden for mb in real]) if len(real) > 1 else real[0].hidden
         if record:
             self._emit(real, hidden, observer)
         return hidden
+
+    def _learn(self, step: StepPlan, mbs: list[_Microbatch]) -> None:
+        """This step's costs into the learner: per micro-batch, its work here and its union's on the FFN side, per layer."""
+        layers = self.model.config.num_layers
+        attention = [(sum(sp.length for sp in piece), sum(sp.length * sp.start + sp.length * (sp.length + 1) / 2 for sp in piece),
+                      mb.work_s / layers) for mb, piece in zip(mbs, self.last_plan.pieces)]
+        ffn = [(step.union_tokens[mb.index], mb.ffn_s / mb.ffn_layers) for mb in mbs if mb.ffn_layers and mb.ffn_s > 0]
+        self.ffn_busy_s += sum(mb.ffn_s for mb in mbs)
+        self.learner.observe(attention, ffn, [mb.wire_s / 2 for mb in mbs if mb.ffn_layers])
 
     def _traced(self, action, t0: float, waited: float) -> None:
         """A schedule step into the trace; a combine as its wait for the FFN output ("combine") and the work here
@@ -276,8 +303,9 @@ class DisaggregatedRunner:
         mb.handle = self.endpoint.dispatch(layer, self.seq, mb.ffn_input, mb.routing, is_moe, microbatch=mb.index,
                                            epoch=step.epoch, members=step.mask, token_ids=token_ids)
 
-    def _combine(self, mb: _Microbatch, layer: int, record: bool) -> float:
-        """Wait for the FFN output and merge it; returns when the wait ended (perf_counter)."""
+    def _combine(self, mb: _Microbatch, layer: int, record: bool, learning: bool = False) -> float:
+        """Wait for the FFN output and merge it; returns when the wait ended (perf_counter). ``learning``: the
+        FFN side's compute and the round trip's rest are kept for the cost learner."""
         m, t = self.model, self.topology
         if mb.is_empty:
             if mb.handle is not None:
@@ -289,6 +317,10 @@ class DisaggregatedRunner:
         else:
             y = self.endpoint.combine(mb.handle, m.config.hidden_size, mb.hidden.dtype)
             waited = time.perf_counter()
+            if learning:
+                mb.ffn_s += mb.handle.ffn_busy_s
+                mb.ffn_layers += 1
+                mb.wire_s = min(mb.wire_s, waited - mb.handle.sent_at - mb.handle.ffn_busy_s)
             if m.config.is_moe_layer(layer) and t.shared_experts_on == "attention":
                 shared = m.shared_experts(layer, mb.ffn_input)
                 if shared is not None:

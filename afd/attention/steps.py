@@ -28,6 +28,12 @@ attention rank stops sending to it on its own (afd/connectors/dispatch.py), and 
 survivors do not depend on who else is alive. A new expert placement (a rebalance) is used the same
 way: from the first step whose every vote has it installed (:attr:`StepPlan.placement`, the lowest).
 
+**Costs.** With ``--num-microbatches auto`` a vote also carries the voter's learned cost model
+(afd/microbatch/learn.py), once it has one; every member plans the step with the model of the first
+member (in member order) that voted one, else its configured model (the same on every rank), and the
+plan says which (:attr:`StepPlan.cost`): m, and each contributor's cut of its own batch, are computed
+from the same numbers on every rank.
+
 **The epoch** is the membership the steps are agreed under: epoch 0 is every attention rank of the
 launch. A later change of membership is a new epoch with its own members, not a change to the step
 protocol. **A lost member**: the launcher writes the dead attention ranks to the store
@@ -63,6 +69,7 @@ from typing import Sequence
 
 from afd.config import PipelineConfig
 from afd.microbatch import CostModel, MicrobatchPlan, choose_plan, plan_microbatches
+from afd.microbatch.learn import pack_costs, unpack_costs
 
 Spans = tuple[tuple[int, int], ...]  # (start position, new tokens) per chunk, in batch order
 
@@ -81,6 +88,9 @@ class StepPlan:
     ffn_ready: int = -1  # FFN ranks every member has links to (the AND of the votes); -1: no restriction
     placement: int = -1  # the expert placement version every member has installed (the lowest voted); -1: unchanged
     joiners: tuple[tuple[int, int], ...] = ()  # (attention rank, incarnation) every vote admits: members from the next step
+    cost: CostModel | None = None  # the model the step was planned with (every contributor cuts its batch with it)
+    learned: bool = False  # ``cost`` is a member's learned model (afd/microbatch/learn.py), not the configured one
+    union_tokens: tuple[int, ...] = ()  # per micro-batch, the tokens of every contributor's piece together
 
     @property
     def mask(self) -> int:
@@ -94,13 +104,14 @@ class StepPlan:
 
 def decide(epoch: int, step: int, members: Sequence[int], votes: Sequence[Spans], pipeline: PipelineConfig,
            num_layers: int, cost: CostModel, ffn_ready: Sequence[int] = (), placements: Sequence[int] = (),
-           joins: Sequence[Sequence[tuple[int, int]]] = ()) -> StepPlan:
+           joins: Sequence[Sequence[tuple[int, int]]] = (), learned: Sequence[CostModel | None] = ()) -> StepPlan:
     """The step's plan from every member's vote: a pure function, so every member computes the same.
 
     m: 1 in sync mode; with ``auto``, the fastest m for the union of every contributor's chunks
-    (:func:`choose_plan`); else the configured m. It is then capped to the most pieces any contributor
-    can form (tokens, or requests for the ``request`` split), so that no micro-batch is empty on every
-    rank. Joiners: those every vote admits (none that is a member already)."""
+    (:func:`choose_plan`) under the first learned model voted (else ``cost``); else the configured m. It is
+    then capped to the most pieces any contributor can form (tokens, or requests for the ``request``
+    split), so that no micro-batch is empty on every rank. Joiners: those every vote admits (none that is a
+    member already)."""
     ready = -1
     for mask in ffn_ready:
         ready &= mask
@@ -111,7 +122,10 @@ def decide(epoch: int, step: int, members: Sequence[int], votes: Sequence[Spans]
     if not contributors:
         return StepPlan(epoch, step, (), 0, 0, tuple(votes), ffn_ready=ready, placement=version, joiners=joiners)
     if pipeline.mode == "sync":
-        return StepPlan(epoch, step, contributors, 1, 1, tuple(votes), ffn_ready=ready, placement=version, joiners=joiners)
+        return StepPlan(epoch, step, contributors, 1, 1, tuple(votes), ffn_ready=ready, placement=version, joiners=joiners,
+                        union_tokens=(sum(n for v in votes for _, n in v),))
+    voted = next((c for c in learned if c is not None), None) if pipeline.adaptive else None
+    cost = voted or cost
     estimates: tuple = ()
     if pipeline.adaptive:
         union = [span for v in votes for span in v]
@@ -119,8 +133,11 @@ def decide(epoch: int, step: int, members: Sequence[int], votes: Sequence[Spans]
         m, estimates = chosen.num_microbatches, chosen.estimates
     else:
         m = pipeline.effective_microbatches
-    agreed = max(own_plan(v, m, pipeline, cost).num_microbatches for v in votes if v)
-    return StepPlan(epoch, step, contributors, agreed, m, tuple(votes), estimates, ready, version, joiners)
+    plans = [own_plan(v, m, pipeline, cost) for v in votes if v]
+    agreed = max(p.num_microbatches for p in plans)
+    union_tokens = tuple(sum(sum(sp.length for sp in p.pieces[k]) for p in plans if k < p.num_microbatches) for k in range(agreed))
+    return StepPlan(epoch, step, contributors, agreed, m, tuple(votes), estimates, ready, version, joiners, cost, voted is not None,
+                    union_tokens)
 
 
 def own_plan(spans: Spans, m: int, pipeline: PipelineConfig, cost: CostModel) -> MicrobatchPlan:
@@ -130,14 +147,15 @@ def own_plan(spans: Spans, m: int, pipeline: PipelineConfig, cost: CostModel) ->
     return plan_microbatches(spans, m, pipeline.split, cost, min_tokens)
 
 
-def encode_vote(spans: Spans, ffn_ready: int = -1, placement: int = 0, joiners: Sequence[tuple[int, int]] = ()) -> bytes:
-    return json.dumps([ffn_ready, placement, spans, joiners], separators=(",", ":")).encode()
+def encode_vote(spans: Spans, ffn_ready: int = -1, placement: int = 0, joiners: Sequence[tuple[int, int]] = (),
+                learned: CostModel | None = None) -> bytes:
+    return json.dumps([ffn_ready, placement, spans, joiners, pack_costs(learned)], separators=(",", ":")).encode()
 
 
-def decode_vote(data: bytes) -> tuple[Spans, int, int, tuple[tuple[int, int], ...]]:
-    ffn_ready, placement, spans, joiners = json.loads(data)
+def decode_vote(data: bytes) -> tuple[Spans, int, int, tuple[tuple[int, int], ...], CostModel | None]:
+    ffn_ready, placement, spans, joiners, learned = json.loads(data)
     return (tuple((int(a), int(b)) for a, b in spans), int(ffn_ready), int(placement),
-            tuple((int(r), int(i)) for r, i in joiners))
+            tuple((int(r), int(i)) for r, i in joiners), unpack_costs(learned))
 
 
 class StepPlane:
@@ -254,9 +272,10 @@ class StepPlane:
         return True
 
     def agree(self, spans: Spans, pipeline: PipelineConfig, num_layers: int, cost: CostModel, ffn_ready: int = -1,
-              placement: int = 0) -> StepPlan:
-        """Vote ``spans`` (empty: no work), the FFN ranks this rank has links to and the newest expert placement
-        it has installed for the next step, and return what every member agreed."""
+              placement: int = 0, learned: CostModel | None = None) -> StepPlan:
+        """Vote ``spans`` (empty: no work), the FFN ranks this rank has links to, the newest expert placement
+        it has installed and its learned cost model (None: none yet) for the next step, and return what every
+        member agreed."""
         if not self.in_wave:
             raise RuntimeError(f"attention rank {self.rank}: a step outside a wave (a bug: every member must be in it)")
         s = self.step
@@ -264,14 +283,14 @@ class StepPlane:
         if self.pending:  # a joiner that died since it asked is not voted in
             dead = self.dead_members()
             self.pending = {(r, i) for r, i in self.pending if dead.get(r, -1) < i and r not in self.members}
-        self.store.set(key, encode_vote(spans, ffn_ready, placement, sorted(self.pending)))
+        self.store.set(key, encode_vote(spans, ffn_ready, placement, sorted(self.pending), learned))
         self._mine.append(key)
         raw = self._read_votes(s)
         if len(self._mine) >= 3:  # every member has read step s - 2's votes before it could vote for s - 1
             self.store.delete_key(self._mine.pop(0))
         votes = [decode_vote(v) for v in raw]
         plan = decide(self.epoch, s, self.members, [v[0] for v in votes], pipeline, num_layers, cost, [v[1] for v in votes],
-                      [v[2] for v in votes], [v[3] for v in votes])
+                      [v[2] for v in votes], [v[3] for v in votes], [v[4] for v in votes])
         self.step += 1
         self.num_votes += 1
         self.num_idle_votes += not spans
@@ -293,7 +312,8 @@ VOTE_POLL_S = 0.2  # a wait for votes looks for dead members this often
 
 
 def local_plan(step: int, rank: int, spans: Spans, pipeline: PipelineConfig, num_layers: int, cost: CostModel,
-               epoch: int = 0, ffn_ready: int = -1, placement: int = -1) -> StepPlan:
+               epoch: int = 0, ffn_ready: int = -1, placement: int = -1, learned: CostModel | None = None) -> StepPlan:
     """The plan of a rank that agrees with nobody: the only attention rank (epoch 0), or a solo step of
     one rank of several (a capture: its own epoch, ``SOLO_EPOCH + rank``, with its own step numbers)."""
-    return replace(decide(epoch, step, (rank,), (spans,), pipeline, num_layers, cost, (ffn_ready,), (placement,)), votes=())
+    return replace(decide(epoch, step, (rank,), (spans,), pipeline, num_layers, cost, (ffn_ready,), (placement,), (), (learned,)),
+                   votes=())

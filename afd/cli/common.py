@@ -136,11 +136,14 @@ def add_topology_args(p: argparse.ArgumentParser) -> None:
                    help="async (default): micro-batches ping-ponged so attention overlaps transfer and FFN work; sync: dispatch, then wait, per layer")
     g.add_argument("--num-microbatches", type=_microbatches, default=2,
                    help="micro-batches per step in async mode: 1..8 (default 2), or auto[:M]: per step, the m <= M (default 4) "
-                        "that the cost model's simulation of the schedule says is fastest")
+                        "that the cost model's simulation of the schedule says is fastest (the costs: learned from the run's own "
+                        "steps once it has seen enough, --cost-model or built-in coefficients until then)")
     g.add_argument("--split", choices=["request", "token"], default="token", help="cut micro-batches between requests, or anywhere (default)")
     g.add_argument("--min-microbatch-tokens", type=int, default=1,
                    help="a step with fewer than M x N tokens runs fewer micro-batches (e.g. 16 keeps small decode steps whole; default 1)")
     g.add_argument("--cost-model", help="JSON of planner costs fitted by `afd bench costs` (default: built-in coefficients)")
+    g.add_argument("--fixed-costs", action="store_true",
+                   help="with --num-microbatches auto: plan with --cost-model (or the built-in coefficients) only, never learn costs from the run")
     g.add_argument("--dense-on", choices=["attention", "ffn"], default="attention", help="where dense-layer MLPs run")
     g.add_argument("--shared-experts-on", choices=["attention", "ffn"], default="attention", help="where shared experts run")
     g.add_argument("--dispatch-dtype", choices=DISPATCH_DTYPES, default="model",
@@ -234,7 +237,8 @@ def pipeline_from_args(args: argparse.Namespace):
     adaptive = isinstance(args.num_microbatches, tuple)
     m = args.num_microbatches[1] if adaptive else args.num_microbatches
     return PipelineConfig(mode=args.mode, num_microbatches=m, split=args.split, cost=cost,
-                          min_microbatch_tokens=args.min_microbatch_tokens, adaptive=adaptive)
+                          min_microbatch_tokens=args.min_microbatch_tokens, adaptive=adaptive,
+                          learn_costs=not args.fixed_costs)
 
 
 def print_table(rows: list[tuple[str, ...]] | list[list[str]]) -> None:

@@ -90,6 +90,8 @@ class PipelineConfig:
     num_microbatches  1..8 (async); with ``adaptive``, the most the planner may choose
     adaptive          choose m per step (1..num_microbatches) by simulating the schedule with the
                       cost model (``--num-microbatches auto``)
+    learn_costs       with ``adaptive``: plan with the costs the run measures (afd/microbatch/learn.py)
+                      once it has seen enough, ``cost`` until then; False: ``cost`` only (``--fixed-costs``)
     split             ``request`` (cut between sequences) or ``token`` (cut anywhere)
     credits           max dispatches in flight per attention rank (default: num_microbatches)
     cost              the planner's :class:`CostModel`, e.g. fitted by ``afd bench costs``
@@ -105,6 +107,7 @@ class PipelineConfig:
     cost: CostModel | None = None
     min_microbatch_tokens: int = 1
     adaptive: bool = False
+    learn_costs: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):

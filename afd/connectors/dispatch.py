@@ -65,6 +65,7 @@ class DispatchHandle:
     members: int = 0
     placement: int = 0  # the placement version its copies were chosen under
     retries: int = 0  # times re-dispatched after an FFN rank failed
+    ffn_busy_s: float = 0.0  # the longest an FFN rank answering it computed its union (RESULT headers' busy_us)
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -367,6 +368,7 @@ class AttentionEndpoint:
                 f"expected {len(rows)} x {hidden_size}"
             )
         self._stash[key][r] = out
+        handle.ffn_busy_s = max(handle.ffn_busy_s, h.busy_us * 1e-6)
 
     def handshake(self, epoch: int = 0) -> None:
         """HELLO to every FFN rank and HELLO back from each: the protocol version is checked on both sides

@@ -7,7 +7,7 @@ payload:
 
     magic 'AFD1' | version | kind | ops | src role | src index | dst index
     | layer | micro-batch | step | membership epoch | contributors | FFN members
-    | placement version | token count | tensor count | payload bytes
+    | placement version | compute time | token count | tensor count | payload bytes
 
 Pairing key: (source rank, step, layer, micro-batch). A receiver checks
 every field (:meth:`Header.expect`) and raises :class:`ProtocolError` naming
@@ -25,6 +25,9 @@ accepted only for the dispatch it answers. Work re-dispatched after an FFN rank 
 ``Op.RETRY``: it is computed alone (its contributors are its sender only), never merged with a union.
 The placement version names the expert placement the sender chose copies under (a rebalance installs
 a new one at an agreed step; until every sender uses it, an FFN rank holds both).
+
+A RESULT carries the time the FFN rank spent computing the union it answers (``busy_us``): the
+attention ranks' ``auto`` planner learns the FFN side's cost from it (afd/microbatch/learn.py).
 """
 
 from __future__ import annotations
@@ -36,10 +39,11 @@ from dataclasses import dataclass, field
 import torch
 
 MAGIC = b"AFD1"
-PROTOCOL_VERSION = 4  # 2: membership epoch and contributors in every header; 3: FFN members, Op.RETRY; 4: TOKEN_IDS, HIDDEN_SCALES
+PROTOCOL_VERSION = 5  # 2: membership epoch and contributors in every header; 3: FFN members, Op.RETRY; 4: TOKEN_IDS, HIDDEN_SCALES;
+# 5: a RESULT's compute time (busy_us)
 MAX_ATTENTION_RANKS = 64  # the contributors bitmask is 64 bits
 
-_FIXED = struct.Struct("<4sHBBBHHiHQHQQHIBQ")  # see module docstring, in order
+_FIXED = struct.Struct("<4sHBBBHHiHQHQQHIIBQ")  # see module docstring, in order
 _TENSOR = struct.Struct("<BBB")  # name, dtype, ndim; then ndim x uint32 dims
 _DIM = struct.Struct("<I")
 
@@ -135,6 +139,7 @@ class Header:
     members: int = 0  # bit a: attention rank a contributes to (step, micro-batch)
     ffn_members: int = 0  # bit f: the sender dispatched this (step, layer, micro-batch) to FFN rank f (work and its result)
     placement: int = 0  # the expert placement version the copies were chosen under
+    busy_us: int = 0  # a RESULT: microseconds the FFN rank computed the union it answers (saturates at 2**32 - 1)
 
     @property
     def source(self) -> str:
@@ -152,7 +157,8 @@ class Header:
         parts = [
             _FIXED.pack(
                 MAGIC, self.version, self.kind, self.ops, self.src_role, self.src_index, self.dst_index,
-                self.layer, self.microbatch, self.seq, self.epoch, self.members, self.ffn_members, self.placement, self.num_tokens, len(self.tensors),
+                self.layer, self.microbatch, self.seq, self.epoch, self.members, self.ffn_members, self.placement, self.busy_us,
+                self.num_tokens, len(self.tensors),
                 self.payload_bytes,
             )
         ]
@@ -164,8 +170,8 @@ class Header:
         """Parse a header; returns it and its length in bytes. Raises ProtocolError on garbage."""
         if len(buf) < _FIXED.size:
             raise ProtocolError(f"{receiver}: truncated header ({len(buf)} bytes)")
-        (magic, version, kind, ops, role, src, dst, layer, mb, seq, epoch, members, ffn_members, placement, ntok, ntensors,
-         payload) = _FIXED.unpack_from(buf, 0)
+        (magic, version, kind, ops, role, src, dst, layer, mb, seq, epoch, members, ffn_members, placement, busy_us, ntok,
+         ntensors, payload) = _FIXED.unpack_from(buf, 0)
         if magic != MAGIC:
             raise ProtocolError(f"{receiver}: bad magic {bytes(magic)!r} (expected {MAGIC!r}): corrupted or foreign message")
         if kind not in _KINDS or role not in _ROLES:
@@ -181,7 +187,7 @@ class Header:
             ops = _op(ops)
         except ValueError:
             raise ProtocolError(f"{receiver}: unknown ops {ops} from {rank_name(role, src)}") from None
-        header = cls(kind, role, src, dst, layer, mb, seq, ntok, ops, specs, version, epoch, members, ffn_members, placement)
+        header = cls(kind, role, src, dst, layer, mb, seq, ntok, ops, specs, version, epoch, members, ffn_members, placement, busy_us)
         if _layout(specs)[0] != payload:
             raise ProtocolError(
                 f"{receiver}: header from {header.source} declares {payload} payload bytes but its tensor table sums to {header.payload_bytes}"
@@ -268,13 +274,13 @@ def make_message(header: Header, tensors: dict[TensorName, torch.Tensor]) -> Mes
     specs = tuple(TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors.items())
     # positional construction: dataclasses.replace introspects the fields on every call (~10 us)
     return Message(Header(h.kind, h.src_role, h.src_index, h.dst_index, h.layer, h.microbatch, h.seq, h.num_tokens, h.ops, specs,
-                          h.version, h.epoch, h.members, h.ffn_members, h.placement), dict(tensors))
+                          h.version, h.epoch, h.members, h.ffn_members, h.placement, h.busy_us), dict(tensors))
 
 
-def result_header(work: Header, ffn_rank: int, output: torch.Tensor) -> bytes:
-    """The packed header of the RESULT that answers ``work`` with ``output`` [n, H] (``Header.pack`` of what
-    :func:`afd.connectors.work.result_message` builds, without building it: an FFN rank answers every part,
-    right after computing, when little of this code is still in the caches)."""
+def result_header(work: Header, ffn_rank: int, output: torch.Tensor, busy_s: float = 0.0) -> bytes:
+    """The packed header of the RESULT that answers ``work`` with ``output`` [n, H], computed in ``busy_s``
+    (``Header.pack`` of what :func:`afd.connectors.work.result_message` builds, without building it: an FFN
+    rank answers every part, right after computing, when little of this code is still in the caches)."""
     n, hidden = output.shape
     table = _RESULT_TABLES.get((n, hidden, output.dtype))
     if table is None:
@@ -282,7 +288,13 @@ def result_header(work: Header, ffn_rank: int, output: torch.Tensor) -> bytes:
             _RESULT_TABLES.clear()
         table = _RESULT_TABLES[(n, hidden, output.dtype)] = _table_entry(TensorName.OUTPUT, output.dtype, (n, hidden))
     return _FIXED.pack(MAGIC, PROTOCOL_VERSION, Kind.RESULT, work.ops, Role.FFN, ffn_rank, work.src_index, work.layer, work.microbatch,
-                       work.seq, work.epoch, work.members, work.ffn_members, work.placement, n, 1, n * hidden * output.dtype.itemsize) + table
+                       work.seq, work.epoch, work.members, work.ffn_members, work.placement, busy_us(busy_s), n, 1,
+                       n * hidden * output.dtype.itemsize) + table
+
+
+def busy_us(seconds: float) -> int:
+    """A compute time as a header's ``busy_us``."""
+    return min(max(0, round(seconds * 1e6)), 0xFFFFFFFF)
 
 
 

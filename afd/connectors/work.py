@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from afd.connectors.wire import Header, Kind, Message, Op, ProtocolError, Role, TensorName, make_message
+from afd.connectors.wire import Header, Kind, Message, Op, ProtocolError, Role, TensorName, busy_us, make_message
 from afd.types import Routing
 
 
@@ -54,9 +54,10 @@ def _per_row(msg: Message, name: TensorName, receiver: str) -> torch.Tensor:
     return t
 
 
-def result_message(work: Header, ffn_rank: int, output: torch.Tensor) -> Message:
+def result_message(work: Header, ffn_rank: int, output: torch.Tensor, busy_s: float = 0.0) -> Message:
     header = Header(Kind.RESULT, Role.FFN, ffn_rank, work.src_index, work.layer, work.microbatch, work.seq, output.shape[0], work.ops,
-                    (), epoch=work.epoch, members=work.members, ffn_members=work.ffn_members, placement=work.placement)
+                    (), epoch=work.epoch, members=work.members, ffn_members=work.ffn_members, placement=work.placement,
+                    busy_us=busy_us(busy_s))
     return make_message(header, {TensorName.OUTPUT: output})
 
 

@@ -361,7 +361,7 @@ class FFNWorker:
                 continue
             try:
                 rows = out[start : start + n]
-                self.mailbox.send_packed(h.src_index, result_header(h, self.mailbox.index, rows), [rows])
+                self.mailbox.send_packed(h.src_index, result_header(h, self.mailbox.index, rows, t1 - t0), [rows])
             except PeerDiedError as e:  # it died since it sent this part
                 if e.peer is None:
                     raise

@@ -109,7 +109,7 @@ class _AttentionRank:
                 case GetRunnerStats():
                     r, plane = self.runner, self.runner.plane
                     self.conn.send(Reply(RunnerStats(r.num_steps, r.num_idle_steps, r.num_degraded_steps,
-                                                     plane.num_votes if plane is not None else 0)))
+                                                     plane.num_votes if plane is not None else 0, r.learner.model, r.ffn_busy_s)))
                 case GetLinkStats():
                     self.conn.send(Reply(self.mailbox.stats))
                 case Sleep(seconds):  # tests: keep this rank's links idle

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from afd.config import PipelineConfig
+from afd.config import CostModel, PipelineConfig
 from afd.distributed.placement import ExpertPlacement
 
 # ----------------------------------------------------------------------------- any process -> its launcher
@@ -243,6 +243,8 @@ class RunnerStats:
     idle_steps: int
     degraded_steps: int
     votes: int
+    learned_costs: CostModel | None = None  # the auto planner's model learned on this rank (None: not yet, or not learning)
+    ffn_busy_s: float = 0.0  # the FFN side's compute of the unions this rank learned from (RESULT headers' busy_us)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,13 +22,13 @@ def store():
     return dist.TCPStore("127.0.0.1", 0, 4, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
 
 
-def vote_all(planes, votes, ready=None, placements=None):
+def vote_all(planes, votes, ready=None, placements=None, pipeline=PIPELINE, learned=None):
     """Each plane votes its spans on a thread (a vote waits for the others'); their plans, in plane order."""
     out = [None] * len(planes)
 
     def one(i):
-        out[i] = planes[i].agree(votes[i], PIPELINE, 4, CostModel(), -1 if ready is None else ready[i],
-                                 0 if placements is None else placements[i])
+        out[i] = planes[i].agree(votes[i], pipeline, 4, CostModel(), -1 if ready is None else ready[i],
+                                 0 if placements is None else placements[i], None if learned is None else learned[i])
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(planes))]
     for t in threads:
@@ -48,6 +48,26 @@ def test_members_agree_on_the_ffn_ranks_and_the_placement_every_vote_has():
     assert plans[0].contributors == (0, 2) and plans[0].ffn_ready == 0b01 and plans[0].placement == 0
     plans = vote_all(planes, [((4, 1),), (), ()], ready=[0b11] * 3, placements=[1] * 3)
     assert plans[0].ffn_ready == 0b11 and plans[0].placement == 1  # every vote has them now
+
+
+def test_members_plan_with_the_first_learned_cost_model_voted():
+    """Each member learns its own costs (afd/microbatch/learn.py); the votes carry them and every member plans the step
+    with the same one, the first member's that has one, so that m and each contributor's cut agree."""
+    master = store()
+    planes = [StepPlane(r, range(3), "127.0.0.1", master.port, timeout=60) for r in range(3)]
+    for p in planes:
+        p.join_wave(0)
+    auto = PipelineConfig(mode="async", num_microbatches=4, adaptive=True)
+    mine = [CostModel(2e-6, 1e-10, 1e-6, 1e-4, 9e-4, 5e-5, ffn_curve=((8, 9e-4), (2048, 3.2e-3))),
+            CostModel(2e-7, 1e-10, 1e-6, 1e-4, 9e-4, 5e-5, ffn_curve=((8, 3e-3), (2048, 3.2e-3)))]
+    votes = [((0, 1024),), (), ((0, 1024),)]
+    for learned, m in [([None, mine[0], mine[1]], 2), ([None, None, mine[1]], 1), ([mine[1], mine[0], None], 1)]:
+        plans = vote_all(planes, votes, pipeline=auto, learned=learned)
+        assert len(set(plans)) == 1, plans  # the same plan (cost model included) on every member
+        voted = next(c for c in learned if c is not None)
+        assert plans[0].learned and plans[0].cost == voted and plans[0].num_microbatches == m, plans[0]
+    plans = vote_all(planes, votes, pipeline=auto, learned=[None] * 3)
+    assert len(set(plans)) == 1 and not plans[0].learned and plans[0].cost == CostModel()
 
 
 def test_a_member_marked_dead_leaves_in_a_new_epoch_and_the_others_go_on():

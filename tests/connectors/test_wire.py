@@ -91,15 +91,18 @@ def test_a_tensor_table_seen_before_still_has_the_fixed_fields_checked():
 
 
 @given(st.integers(0, 40), st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 63), st.integers(0, 60), st.integers(0, 2**40),
-       st.integers(0, 7), st.integers(0, 2**63 - 1), st.integers(1, 15), st.integers(0, 9))
-def test_the_packed_result_header_is_the_result_message_s(n, dtype, src, layer, seq, mb, members, ffn_members, placement):
-    """An FFN rank packs its answers' headers directly (result_header); they are the bytes result_message's header packs to."""
+       st.integers(0, 7), st.integers(0, 2**63 - 1), st.integers(1, 15), st.integers(0, 9), st.floats(0, 10_000, allow_nan=False))
+def test_the_packed_result_header_is_the_result_message_s(n, dtype, src, layer, seq, mb, members, ffn_members, placement, busy_s):
+    """An FFN rank packs its answers' headers directly (result_header); they are the bytes result_message's header packs to,
+    and carry the union's compute time to the microsecond (saturating, ~71 minutes, rather than wrapping)."""
     from afd.connectors.wire import result_header
     from afd.connectors.work import result_message
 
     work = Header(Kind.WORK, Role.ATTENTION, src, 3, layer, mb, seq, n, Op.ROUTED | Op.SHARED, epoch=seq % 5, members=members,
                   ffn_members=ffn_members, placement=placement)
     out = torch.randn(n, 24).to(dtype)
-    assert result_header(work, 3, out) == result_message(work, 3, out).header.pack()
-    header, size = Header.unpack(result_header(work, 3, out), "attention rank 0")
-    assert header == result_message(work, 3, out).header and size == len(result_header(work, 3, out))
+    packed = result_header(work, 3, out, busy_s)
+    assert packed == result_message(work, 3, out, busy_s).header.pack()
+    header, size = Header.unpack(packed, "attention rank 0")
+    assert header == result_message(work, 3, out, busy_s).header and size == len(packed)
+    assert header.busy_us == min(round(busy_s * 1e6), 2**32 - 1)

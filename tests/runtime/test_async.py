@@ -19,7 +19,7 @@ from afd.distributed.topology import Topology, parse_devices
 from afd.engine.tokenizer import Tokenizer
 from afd.kvcache import BlockManager, PagedKVCache, SeqChunk, build_attention_metadata
 from afd.models import load_model
-from afd.runtime.messages import Capture, GetTrace, SetPipeline, SetTrace, Sleep
+from afd.runtime.messages import Capture, GetRunnerStats, GetTrace, SetPipeline, SetTrace, Sleep
 from afd.serving.offline import generate
 from afd.testing.parity import compare_greedy, compare_values
 from tests import support
@@ -167,9 +167,10 @@ def test_silence_without_heartbeats_is_reported_not_hung(reference):
 
 def test_adaptive_microbatching_chooses_per_step_and_keeps_parity(reference):
     """--num-microbatches auto: a long prefill step is split (overlap pays for the fixed costs), decode
-    steps of a few tokens are not; outputs equal the monolithic model's, and the trace says why."""
+    steps of a few tokens are not; outputs equal the monolithic model's, and the trace says why. (The configured
+    model: the run's own costs, learned after a few steps, are the next test's.)"""
     model, ref_values, ref_logits = reference
-    auto = PipelineConfig("async", 4, "token", adaptive=True)
+    auto = PipelineConfig("async", 4, "token", adaptive=True, learn_costs=False)
     with support.cluster(BUILTIN_MODEL, topology(1, 1, transport="loopback"), ENGINE, pipeline=auto) as cluster:
         check_all_pipelines(cluster, model, ref_values, ref_logits, [auto])
         cluster.request(0, SetTrace(True))
@@ -183,6 +184,35 @@ def test_adaptive_microbatching_chooses_per_step_and_keeps_parity(reference):
     ref, gaps = support.greedy_with_gaps(model, tok.encode(prompt), 6)
     report = compare_greedy(ref, out.token_ids, gaps, min_compared=4)
     assert report.ok, report
+
+
+def test_auto_learns_its_costs_from_the_run_and_keeps_parity(reference):
+    """--num-microbatches auto learns its costs from the run: the FFN rank's compute of each union comes back in its
+    RESULT headers (what the attention rank was told adds up to the FFN rank's own busy time), the learned model
+    (seconds) plans the later steps, and the outputs still equal the monolithic model's."""
+    model = reference[0]
+    auto = PipelineConfig("async", 4, "token", adaptive=True)
+    tok = Tokenizer(BUILTIN_MODEL)
+    prompts = [("KING.\nWhat say you, my lords? " * 12)[:300], "ROMEO.\nBut soft, what light", "First Citizen:\nBefore we proceed"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with support.cluster(BUILTIN_MODEL, topology(1, 1, transport="loopback"), ENGINE, pipeline=auto) as cluster:
+        cluster.request(0, SetTrace(True))
+        outs = generate(cluster, prompts[:1], params, auto)  # the first steps are warm-up; then decode steps of one size
+        outs += generate(cluster, prompts[1:], params, auto)  # a prefill of another size: a curve of the FFN side
+        stats = cluster.request(0, GetRunnerStats())
+        events, _ = cluster.request(0, GetTrace())
+    ffn = next(r for r in cluster.ranks if r.spec.role.name == "FFN").final_stats
+    learned = stats.learned_costs
+    assert learned is not None and len(learned.ffn_curve) >= 2, learned  # the prompts' prefill and the decode steps
+    assert learned.attn_token + learned.attn_context > 0 and learned.ffn_cost(1) > 0
+    assert stats.ffn_busy_s == pytest.approx(ffn["busy_s"], abs=1e-6 * ffn["items"]), (stats.ffn_busy_s, ffn["busy_s"])
+    plans = [e.note for e in events if e.action == "plan"]
+    assert len(plans) == stats.steps == 32 and all("learned costs" in note for note in plans[-4:]), plans
+    assert not any("learned costs" in note for note in plans[:2])  # the warm-up steps are planned with the configured model
+    for prompt, out in zip(prompts, outs):
+        ref, gaps = support.greedy_with_gaps(model, tok.encode(prompt), 16)
+        report = compare_greedy(ref, out.token_ids, gaps, min_compared=12)
+        assert report.ok, report
 
 
 def _rss_mb(pid: int) -> float:
