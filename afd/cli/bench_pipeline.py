@@ -59,7 +59,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-microbatches", type=int, default=2)
     p.add_argument("--split", choices=["request", "token"], default="token")
     p.add_argument("--min-microbatch-tokens", type=int, default=16, help="for the extra 'async, small steps whole' row")
-    p.add_argument("--cost-model", help="costs for the 'async auto' row (JSON of afd bench costs; default: fitted here first)")
+    p.add_argument("--cost-model", help="costs for the 'async auto' rows (JSON of afd bench costs; default: fitted here first): "
+                                        "the 'fitted' row plans with them only, the 'learned' row until it has learned the run's own")
     p.add_argument("--transfer-us", type=float, default=100.0, help="one-way message cost the auto row assumes when fitting here (default 100)")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--interleave", action="store_true", help="run the split modes on one launch, round by round (times only)")
@@ -96,7 +97,7 @@ def _cluster(model_dir: Path, args, forks, pipeline: PipelineConfig | None = Non
 
 
 def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts, forks) -> dict:
-    times, busy, inflight, chosen, edges = [], [], [], {}, []
+    times, busy, inflight, chosen, edges, learned = [], [], [], {}, [], 0
     cluster, params = _cluster(model_dir, args, forks, pipeline)
     with cluster:
         t0 = time.perf_counter()
@@ -117,6 +118,7 @@ def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts, forks) 
                 if e.action == "plan":  # adaptive: "chose m=2 (...)"
                     m = int(e.note.split("m=", 1)[1].split()[0])
                     chosen[m] = chosen.get(m, 0) + 1
+                    learned += "learned costs" in e.note
         ffn_rank = next(r for r in cluster.ranks if r.spec.role.name == "FFN")
     stats = ffn_rank.final_stats or {}
     total = sum(times) + warmup  # the FFN counters include the warm-up (timed, not guessed: a slow first run)
@@ -131,6 +133,7 @@ def _run_split(model_dir: Path, args, pipeline: PipelineConfig, prompts, forks) 
         "items_per_ffn_batch": stats.get("items_per_batch", 0.0),
         "fill_drain": statistics.median(edges),
         **({"steps_by_chosen_m": dict(sorted(chosen.items()))} if chosen else {}),
+        **({"steps_planned_with_learned_costs": learned} if pipeline.adaptive else {}),
     }
 
 
@@ -303,7 +306,8 @@ def run(args: argparse.Namespace) -> int:
             "sync": PipelineConfig("sync"),
             f"async m={m}": PipelineConfig("async", m, split),
             f"async m={m}, min {args.min_microbatch_tokens} tok": PipelineConfig("async", m, split, min_microbatch_tokens=args.min_microbatch_tokens),
-            f"async auto (m<={m})": PipelineConfig("async", m, split, cost=cost, adaptive=True),
+            f"async auto (m<={m}), fitted": PipelineConfig("async", m, split, cost=cost, adaptive=True, learn_costs=False),
+            f"async auto (m<={m}), learned": PipelineConfig("async", m, split, cost=cost, adaptive=True),
         }
         if args.interleave:
             results = _run_interleaved(model_dir, args, pipelines, prompts, forks)
@@ -325,18 +329,21 @@ def run(args: argparse.Namespace) -> int:
     print_table(rows)
     for name, r in results.items():
         if "steps_by_chosen_m" in r:
-            print(f"{name}: steps by chosen m (all runs): " + ", ".join(f"m={m}: {n}" for m, n in r["steps_by_chosen_m"].items()))
+            print(f"{name}: steps by chosen m (all runs): " + ", ".join(f"m={m}: {n}" for m, n in r["steps_by_chosen_m"].items())
+                  + (f"; {r['steps_planned_with_learned_costs']} planned with learned costs" if "steps_planned_with_learned_costs" in r else ""))
     a = results[f"async m={args.num_microbatches}"]["step_s"]
     a_min = results[f"async m={args.num_microbatches}, min {args.min_microbatch_tokens} tok"]["step_s"]
     s_ = results["sync"]["step_s"]
-    auto = results[f"async auto (m<={args.num_microbatches})"]["step_s"]
+    fitted = results[f"async auto (m<={args.num_microbatches}), fitted"]["step_s"]
+    learned = results[f"async auto (m<={args.num_microbatches}), learned"]["step_s"]
     mono = results["monolithic (2 threads)"]["step_s"]
     print(f"machine: {instruction_sets(cpu_features())}")
     print(f"summary: {label}; {args.attention_devices} attention / {args.ffn_devices} FFN over {args.transport}"
           f"{', dense MLPs on the FFN side' if args.dense_on == 'ffn' else ''}; "
           f"{args.num_seqs} seqs x {args.prompt_len} prompt + {args.new_tokens} new, median of {args.runs}{' (interleaved)' if args.interleave else ''}: "
           f"async m={args.num_microbatches} {s_ / a:.2f}x vs sync ({s_ / a_min:.2f}x keeping steps under "
-          f"{args.num_microbatches} x {args.min_microbatch_tokens} tokens whole; {s_ / auto:.2f}x choosing m per step), "
+          f"{args.num_microbatches} x {args.min_microbatch_tokens} tokens whole; choosing m per step {s_ / fitted:.2f}x with the "
+          f"fitted costs, {s_ / learned:.2f}x with the run's learned ones), "
           f"{mono / a:.2f}x vs monolithic")
     if "ideal_speedup" in results["sync"]:
         ideal = results["sync"]["ideal_speedup"]

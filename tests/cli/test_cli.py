@@ -164,20 +164,22 @@ def test_bench_pipeline_and_connector_report_consistent_figures(tmp_path):
               "--json", str(out))
     assert "summary:" in res.stdout and "vs sync" in res.stdout
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"sync", "async m=2", "async m=2, min 16 tok", "async auto (m<=2)", "monolithic (2 threads)"}
+    assert set(results) == {"sync", "async m=2", "async m=2, min 16 tok", "async auto (m<=2), fitted", "async auto (m<=2), learned",
+                            "monolithic (2 threads)"}
     for name, r in results.items():
         assert r["step_s"] > 0, name
         if "attention_busy" in r:
             assert 0 < r["attention_busy"] <= 1 and 0 <= r["bubble"] <= 1 and abs(r["attention_busy"] + r["bubble"] - 1) < 0.02, (name, r)
             assert 0 < r["ffn_busy"] <= 1 and r["mean_gemm_rows"] >= 1, (name, r)
     assert results["sync"]["mean_in_flight"] <= 1.0  # sync never has two dispatches out
-    assert sum(results["async auto (m<=2)"]["steps_by_chosen_m"].values()) == 2  # one prefill step + one decode step
+    for auto in ("fitted", "learned"):
+        assert sum(results[f"async auto (m<=2), {auto}"]["steps_by_chosen_m"].values()) == 2  # one prefill step + one decode step
 
     afd("bench", "pipeline", str(BUILTIN_MODEL), "--runs", "2", "--num-seqs", "2", "--prompt-len", "16", "--new-tokens", "2",
         "--interleave", "--json", str(out))  # every split mode on one launch, round by round
     results = json.loads(out.read_text())["results"]
     split = {name: r for name, r in results.items() if name != "monolithic (2 threads)"}
-    assert len(split) == 4 and all(len(r["runs_s"]) == 2 and r["step_s"] == pytest.approx(sum(r["runs_s"]) / 2) for r in split.values())
+    assert len(split) == 5 and all(len(r["runs_s"]) == 2 and r["step_s"] == pytest.approx(sum(r["runs_s"]) / 2) for r in split.values())
     # the overlap's ideal from each round's traced sync run: 1 / max(b, 1 - b) lies in [1, 2]
     ideals = results["sync"]["ideal_by_round"]
     assert len(ideals) == 2 and all(1 <= i <= 2 for i in ideals) and results["sync"]["ideal_speedup"] == pytest.approx(sum(ideals) / 2)
