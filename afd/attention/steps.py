@@ -68,7 +68,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from afd.config import PipelineConfig
-from afd.microbatch import CostModel, MicrobatchPlan, choose_plan, plan_microbatches
+from afd.microbatch import CostModel, MicrobatchPlan, choose_microbatches, plan_microbatches
 from afd.microbatch.learn import pack_costs, unpack_costs
 
 Spans = tuple[tuple[int, int], ...]  # (start position, new tokens) per chunk, in batch order
@@ -107,8 +107,8 @@ def decide(epoch: int, step: int, members: Sequence[int], votes: Sequence[Spans]
            joins: Sequence[Sequence[tuple[int, int]]] = (), learned: Sequence[CostModel | None] = ()) -> StepPlan:
     """The step's plan from every member's vote: a pure function, so every member computes the same.
 
-    m: 1 in sync mode; with ``auto``, the fastest m for the union of every contributor's chunks
-    (:func:`choose_plan`) under the first learned model voted (else ``cost``); else the configured m. It is
+    m: 1 in sync mode; with ``auto``, the fastest m for the contributors' batches, each cut by itself
+    (:func:`choose_microbatches`), under the first learned model voted (else ``cost``); else the configured m. It is
     then capped to the most pieces any contributor can form (tokens, or requests for the ``request``
     split), so that no micro-batch is empty on every rank. Joiners: those every vote admits (none that is a
     member already)."""
@@ -128,9 +128,8 @@ def decide(epoch: int, step: int, members: Sequence[int], votes: Sequence[Spans]
     cost = voted or cost
     estimates: tuple = ()
     if pipeline.adaptive:
-        union = [span for v in votes for span in v]
-        chosen = choose_plan(union, pipeline.num_microbatches, num_layers, pipeline.split, cost, pipeline.credits)
-        m, estimates = chosen.num_microbatches, chosen.estimates
+        m, estimates = choose_microbatches([v for v in votes if v], pipeline.num_microbatches, num_layers, pipeline.split, cost,
+                                           pipeline.credits)
     else:
         m = pipeline.effective_microbatches
     plans = [own_plan(v, m, pipeline, cost) for v in votes if v]

@@ -103,26 +103,57 @@ class ReadProbe:
         return statistics.median(self.once() for _ in range(runs))
 
 
-def gemm_peak(dtype: str, runs: int, sizes: list[int]) -> tuple[float, int]:
+PROBE_BUDGET_S = 30.0  # the most one GEMM probe (one way of one dtype) may take over its sizes
+
+
+def gemm_peak(dtype: str, runs: int, sizes: list[int], budget_s: float = PROBE_BUDGET_S) -> tuple[float, int]:
     """(FLOP/s, n) of the best n x n x n matmul torch has for ``dtype``: for int8, the better of oneDNN's GEMM as
     ``torch._int_mm`` runs it (the weight packed per call) and oneDNN's quantised linear on a weight packed once
-    (``onednn.qlinear_prepack``, where torch has it: AMX-INT8 or VNNI kernels)."""
+    (``onednn.qlinear_prepack``, where torch has it: AMX-INT8 or VNNI kernels). Sizes ascend; a size whose timing
+    would take a probe past ``budget_s`` at the speed the last size ran is skipped, and said so (a CPU where one
+    way is slow -- oneDNN's quantised linear on an AMD EPYC ran minutes a call at n=4096 -- must not stall the
+    command)."""
     best = (0.0, 0)
-    for n in sizes:
-        if dtype == "int8":
-            a, b = torch.randint(-127, 128, (n, n), dtype=torch.int8), torch.randint(-127, 128, (n, n), dtype=torch.int8)
-            fns = [lambda: torch._int_mm(a, b)]  # noqa: E731
-            packed = _qlinear_packed(b.t().contiguous(), n)
-            if packed is not None:
-                scale, zero = torch.ones(n), torch.zeros(n, dtype=torch.int32)
-                fns.append(lambda: torch.ops.onednn.qlinear_pointwise(a, 1.0, 0, packed, scale, zero, None, 1.0, 0, torch.float32,
-                                                                       "none", [], ""))
-        else:
-            a, b = torch.randn(n, n).to(getattr(torch, dtype)), torch.randn(n, n).to(getattr(torch, dtype))
-            fns = [lambda: a @ b]  # noqa: E731
-        for fn in fns:
-            best = max(best, (2 * n**3 / _median_s(fn, runs), n))
+    for name, make in _gemm_probes(dtype):
+        spent, speed = 0.0, None
+        for n in sorted(sizes):
+            if speed is not None and spent + (runs + 1) * 2 * n**3 / speed > budget_s:
+                print(f"GEMM peak {dtype} ({name}): n={n} skipped: ~{2 * n**3 / speed:.1f} s a call at this CPU's "
+                      f"{speed / 1e9:.0f} GFLOP/s (the probe's budget is {budget_s:.0f} s)", file=sys.stderr, flush=True)
+                break
+            fn = make(n)
+            if fn is None:
+                break
+            t0 = time.perf_counter()
+            t = _median_s(fn, runs)
+            spent += time.perf_counter() - t0
+            speed = 2 * n**3 / t
+            best = max(best, (speed, n))
     return best
+
+
+def _gemm_probes(dtype: str):
+    """(name, n -> a call of an n x n x n product, or None where torch lacks it) for each way torch multiplies ``dtype``."""
+    if dtype != "int8":
+        def matmul(n):
+            a, b = torch.randn(n, n).to(getattr(torch, dtype)), torch.randn(n, n).to(getattr(torch, dtype))
+            return lambda: a @ b
+
+        return [("matmul", matmul)]
+
+    def int_mm(n):
+        a, b = torch.randint(-127, 128, (n, n), dtype=torch.int8), torch.randint(-127, 128, (n, n), dtype=torch.int8)
+        return lambda: torch._int_mm(a, b)
+
+    def qlinear(n):
+        a, b = torch.randint(-127, 128, (n, n), dtype=torch.int8), torch.randint(-127, 128, (n, n), dtype=torch.int8)
+        packed = _qlinear_packed(b.t().contiguous(), n)
+        if packed is None:
+            return None
+        scale, zero = torch.ones(n), torch.zeros(n, dtype=torch.int32)
+        return lambda: torch.ops.onednn.qlinear_pointwise(a, 1.0, 0, packed, scale, zero, None, 1.0, 0, torch.float32, "none", [], "")
+
+    return [("torch._int_mm", int_mm), ("oneDNN qlinear, packed once", qlinear)]
 
 
 def _qlinear_packed(weight: torch.Tensor, rows: int):
@@ -233,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
           + (f"; limited to: {' '.join(f'{k}={v}' for k, v in limits.items())}" if limits else ""), file=sys.stderr, flush=True)
     probe = ReadProbe(args.bandwidth_mib)
     bandwidth = probe.median(args.runs)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; timing the GEMM peaks ({', '.join(native)}; sizes {args.gemm_sizes})",
+          file=sys.stderr, flush=True)
     peaks = {d: gemm_peak(d, args.runs, args.gemm_sizes) for d in native}
     print_table([("machine", "measured", "native"),
                  ("read bandwidth", f"{bandwidth / 1e9:.1f} GB/s", "-"),

@@ -188,19 +188,24 @@ def simulate_step(plan: MicrobatchPlan, num_layers: int, cost: CostModel, credit
     """Estimated time of one step run by the ping-pong schedule: the attention rank executes the
     schedule's steps in order; the FFN side serves dispatches first come, first served; a message
     takes ``cost.transfer`` each way. (Pure; the schedule is the one the runtime executes.)"""
-    from afd.microbatch.schedule import Action, ping_pong
-
-    m = plan.num_microbatches
     attn = [cost.attention_cost(piece) for piece in plan.pieces]
     ffn = [cost.ffn_cost(sum(sp.length for sp in piece)) for piece in plan.pieces]
+    return _simulate(attn, ffn, num_layers, cost.transfer, credits)
+
+
+def _simulate(attn: Sequence[float], ffn: Sequence[float], num_layers: int, transfer: float, credits: int | None) -> float:
+    """:func:`simulate_step` of micro-batches whose attention and FFN work per layer are ``attn`` and ``ffn``."""
+    from afd.microbatch.schedule import Action, ping_pong
+
+    m = len(attn)
     t_attn = t_ffn = 0.0
     ready: dict[tuple[int, int], float] = {}
     for step in ping_pong(m, num_layers, min(credits or m, m)):
         if step.action is Action.ATTENTION:
             t_attn += attn[step.microbatch]
         elif step.action is Action.DISPATCH:
-            t_ffn = max(t_ffn, t_attn + cost.transfer) + ffn[step.microbatch]
-            ready[(step.microbatch, step.layer)] = t_ffn + cost.transfer
+            t_ffn = max(t_ffn, t_attn + transfer) + ffn[step.microbatch]
+            ready[(step.microbatch, step.layer)] = t_ffn + transfer
         else:
             t_attn = max(t_attn, ready.pop((step.microbatch, step.layer)))
     return t_attn
@@ -215,17 +220,38 @@ def choose_plan(
     credits: int | None = None,
     min_gain: float = 0.03,
 ) -> MicrobatchPlan:
-    """Adaptive m: plan the step for every m in 1..``max_microbatches``, simulate each with the cost
-    model, keep the fastest. More micro-batches must win by ``min_gain`` (relative) to be chosen: every
-    extra one pays its fixed costs for real, while the estimate's gain may be noise. The estimates are
-    kept in the plan (and the trace)."""
-    best, best_t, estimates = None, float("inf"), []
+    """Adaptive m for one attention rank's batch: :func:`choose_microbatches` of one contributor, as a plan
+    of that m with the estimates kept (and the trace)."""
+    m, estimates = choose_microbatches([chunks], max_microbatches, num_layers, policy, cost, credits, min_gain)
+    plan = plan_microbatches(chunks, m, policy, cost)
+    return replace(plan, requested=max_microbatches, estimates=estimates)
+
+
+def choose_microbatches(
+    votes: Sequence[Sequence[tuple[int, int]]],
+    max_microbatches: int,
+    num_layers: int,
+    policy: str = "token",
+    cost: CostModel = CostModel(),
+    credits: int | None = None,
+    min_gain: float = 0.03,
+) -> tuple[int, tuple[tuple[int, float], ...]]:
+    """Adaptive m for a step of several contributors (each attention rank's chunks, non-empty): plan every
+    contributor's batch for every m in 1..``max_microbatches`` and simulate the step with the cost model --
+    micro-batch k's attention the slowest contributor's piece k (the ranks compute theirs side by side), its
+    FFN work the union of every piece k (the FFN ranks compute it once) -- and keep the fastest. More
+    micro-batches must win by ``min_gain`` (relative) to be chosen: every extra one pays its fixed costs
+    for real, while the estimate's gain may be noise. Returns (m, the (m, estimate) of every m tried)."""
+    best, best_t, estimates = 1, float("inf"), []
     for m in range(1, max_microbatches + 1):
-        plan = plan_microbatches(chunks, m, policy, cost)
-        if plan.num_microbatches < m:
-            break  # no more pieces to be had (one token, or fewer requests than m)
-        t = simulate_step(plan, num_layers, cost, credits)
+        plans = [plan_microbatches(v, m, policy, cost) for v in votes]
+        pieces = max(p.num_microbatches for p in plans)
+        if pieces < m:
+            break  # no more pieces to be had (one token, or fewer requests than m, on every contributor)
+        attn = [max(cost.attention_cost(p.pieces[k]) if k < p.num_microbatches else 0.0 for p in plans) for k in range(m)]
+        ffn = [cost.ffn_cost(sum(sp.length for p in plans if k < p.num_microbatches for sp in p.pieces[k])) for k in range(m)]
+        t = _simulate(attn, ffn, num_layers, cost.transfer, credits)
         estimates.append((m, t))
         if t < best_t * (1 - min_gain):
-            best, best_t = plan, t
-    return replace(best, requested=max_microbatches, estimates=tuple(estimates))
+            best, best_t = m, t
+    return best, tuple(estimates)

@@ -71,3 +71,16 @@ def test_prefill_phases_count_the_flops_the_model_s_weights_imply(checkpoints, c
     # an expert takes a few rows here: a few FLOPs per byte, so its bound is the bandwidth's, not the peak
     assert experts["flop_per_byte"] < 20 and experts["bound_gflop_s"] == pytest.approx(experts["flop_per_byte"] * 10)
     assert 0 < gemm_totals(phases, 1e12, 1e10)["gflop_s"]
+
+
+def test_a_gemm_probe_that_would_run_past_its_budget_stops_and_says_so(capsys):
+    """On a CPU where one way of multiplying is slow, the peak probe skips the sizes it cannot afford rather than stall
+    the command (oneDNN's quantised linear on an AMD EPYC: minutes a call at n=4096); what it measured stands."""
+    from afd.cli.bench_roofline import gemm_peak
+
+    flops, n = gemm_peak("float32", 1, [4096, 32, 64], budget_s=1e-4)  # sizes ascend whatever the order given
+    assert n == 32 and flops > 0  # the first size is always timed; 64 would pass the budget at 32's speed
+    err = capsys.readouterr().err
+    assert "GEMM peak float32 (matmul): n=64 skipped" in err and "4096" not in err
+    flops, n = gemm_peak("float32", 1, [32, 64], budget_s=60)
+    assert n in (32, 64) and "skipped" not in capsys.readouterr().err

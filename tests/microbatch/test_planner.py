@@ -7,7 +7,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from afd.microbatch import CostModel, choose_plan, plan_microbatches, simulate_step
+from afd.microbatch import CostModel, choose_microbatches, choose_plan, plan_microbatches, simulate_step
 
 chunks_st = st.lists(st.tuples(st.integers(0, 50), st.integers(1, 12)), min_size=1, max_size=6)
 
@@ -161,6 +161,22 @@ def test_simulated_time_is_bounded_by_the_work(chunks, m, layers, costs):
     assert t <= layers * sum(x + y + 2 * cost.transfer for x, y in zip(a, f)) + 1e-9
     if plan.num_microbatches == 1:
         assert t == pytest.approx(layers * (a[0] + f[0] + 2 * cost.transfer))
+
+
+@settings(max_examples=40, deadline=None)
+@given(chunks=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 300)), min_size=1, max_size=4), ranks=st.integers(2, 4),
+       costs=st.tuples(*[st.floats(0.01, 5)] * 3, *[st.floats(0, 5)] * 3))
+def test_contributors_attend_side_by_side_and_share_the_ffn_work(chunks, ranks, costs):
+    """A step of several attention ranks with the same batch each: every rank computes its own attention at the same time,
+    the FFN side computes the union once: each m's estimate is the step of one rank's cut whose FFN work per token were
+    ``ranks`` times as much (not the step of one rank holding every batch, which the planner once simulated)."""
+    cost = CostModel(*costs)
+    m, estimates = choose_microbatches([chunks] * ranks, 4, 3, "token", cost)
+    scaled = CostModel(*costs[:2], costs[2] * ranks, *costs[3:])
+    expected = [(k, simulate_step(plan_microbatches(chunks, k, "token", cost), 3, scaled)) for k in range(1, min(4, sum(n for _, n in chunks)) + 1)]
+    assert [k for k, _ in estimates] == [k for k, _ in expected]
+    assert [t for _, t in estimates] == pytest.approx([t for _, t in expected])
+    assert m in [k for k, _ in estimates]
 
 
 def test_expert_reads_grow_with_tokens_and_saturate():
