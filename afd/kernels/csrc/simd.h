@@ -19,6 +19,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define AFD_SIMD 1
 #define AFD_SIMD_NAME "avx512"
+#define AFD_SIMD_AVX512 1
 #include <immintrin.h>
 
 namespace afd_simd {
