@@ -12,7 +12,10 @@
 //                    at::linear, half precision padded to linear_rows_bucket rows
 //   weight  [N, K]   x's dtype, contiguous (nn.Linear's layout)
 //   bias    [N]      optional, x's dtype
-//   returns [M, N]   x's dtype; products and sums in float32, rounded once (as torch's CPU linear does)
+//   returns [M, N]   x's dtype; products and sums in float32, rounded once (as torch's CPU linear does); with
+//                    bfloat16 weights on a CPU with AVX512-BF16, x's float32 rows are rounded to bfloat16 for
+//                    vdpbf16ps (exact for a bfloat16 model's activations; the float32 activations the expert loop
+//                    hands its down projection lose what torch's bf16 path loses by keeping them in bfloat16)
 //
 // Work is split over torch's threads by blocks of W rows. The sums run in a different order from the BLAS
 // path's, so results agree with at::linear to float32 rounding, not bit for bit; every caller that must
@@ -34,8 +37,9 @@ namespace {
 // path's packing pays for itself. float32: 16 rows with AVX-512 (1.0x MKL at 32 rows), 32 with AVX2, whose
 // MKL kernels are slower at these sizes (measured, one thread, this repo's shapes: 1.2-2.2x MKL at 8-16 rows,
 // 1.0-1.2x at 32, 0.8-1.0x at 48-64). Half precision: with bfloat16 dot-product instructions (AVX512_BF16)
-// 4 rows, since from 8 rows up the product is compute-bound and oneDNN's dot products do twice the work of
-// this kernel's widened float32 FMAs (0.8-0.9x at 8 rows, 1.2-2.2x at 1-4, V2-Lite's shapes); without them
+// 4 rows, measured when this kernel widened bf16 weights to float32 FMAs: from 8 rows up the product was
+// compute-bound and oneDNN's dot products did twice its work (0.8-0.9x at 8 rows, 1.2-2.2x at 1-4, V2-Lite's
+// shapes). It takes vdpbf16ps itself now (tile); the 4 stands until measured again. Without them
 // torch's half-precision GEMM is emulated and this kernel is faster at every size (AVX2: 4.5-6x at 4-512
 // rows, bfloat16 and float16 alike), so it takes them all.
 #if defined(__AVX512F__)
