@@ -11,7 +11,7 @@ class CostModel:
     """Costs of one layer, in one unit (``afd bench costs`` fits them in seconds on a model; the defaults
     are relative, from the built-in model on CPU). Per token: ``attn_token`` + ``attn_context`` x
     (position + 1) on the attention side, ``ffn_token`` on the FFN side. Per micro-batch and layer (used
-    only to choose m, see :func:`choose_plan`): ``attn_call`` and ``ffn_call`` (a call's fixed cost),
+    only to choose m, see :func:`choose_microbatches`): ``attn_call`` and ``ffn_call`` (a call's fixed cost),
     ``transfer`` (one message, one way), and ``ffn_expert`` per distinct routed expert the micro-batch
     touches (reading its weights): n tokens choosing ``top_k`` of ``num_experts`` touch
     E·(1 − (1 − k/E)^n) experts in expectation, so halving a decode step does not halve the weight

@@ -1,7 +1,7 @@
 """The ``auto`` planner's costs, learned from the run's own steps.
 
 ``--num-microbatches auto`` chooses m per step by simulating the schedule with a :class:`CostModel`
-(:func:`afd.microbatch.planner.choose_plan`). A model fitted offline (``afd bench costs``) or the built-in
+(:func:`afd.microbatch.planner.choose_microbatches`). A model fitted offline (``afd bench costs``) or the built-in
 relative defaults describe another machine, another load, another connector; this learner replaces them
 with what the run measures, in seconds, once it has seen enough:
 

@@ -21,7 +21,7 @@ plan degrades to fewer pieces and says why in ``degraded`` -- never silently.
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Sequence
 
@@ -47,7 +47,6 @@ class MicrobatchPlan:
     requested: int
     policy: str
     degraded: str | None = None
-    estimates: tuple[tuple[int, float], ...] = ()  # (m, simulated step time) when m was chosen adaptively
 
     @property
     def num_microbatches(self) -> int:
@@ -209,22 +208,6 @@ def _simulate(attn: Sequence[float], ffn: Sequence[float], num_layers: int, tran
         else:
             t_attn = max(t_attn, ready.pop((step.microbatch, step.layer)))
     return t_attn
-
-
-def choose_plan(
-    chunks: Sequence[tuple[int, int]],
-    max_microbatches: int,
-    num_layers: int,
-    policy: str = "token",
-    cost: CostModel = CostModel(),
-    credits: int | None = None,
-    min_gain: float = 0.03,
-) -> MicrobatchPlan:
-    """Adaptive m for one attention rank's batch: :func:`choose_microbatches` of one contributor, as a plan
-    of that m with the estimates kept (and the trace)."""
-    m, estimates = choose_microbatches([chunks], max_microbatches, num_layers, policy, cost, credits, min_gain)
-    plan = plan_microbatches(chunks, m, policy, cost)
-    return replace(plan, requested=max_microbatches, estimates=estimates)
 
 
 def choose_microbatches(

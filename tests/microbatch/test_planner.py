@@ -7,7 +7,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from afd.microbatch import CostModel, choose_microbatches, choose_plan, plan_microbatches, simulate_step
+from afd.microbatch import CostModel, choose_microbatches, plan_microbatches, simulate_step
 
 chunks_st = st.lists(st.tuples(st.integers(0, 50), st.integers(1, 12)), min_size=1, max_size=6)
 
@@ -126,8 +126,8 @@ def test_small_steps_keep_fewer_microbatches_and_say_why():
     plan = plan_microbatches(decode, 2, "token", min_tokens=16)
     assert plan.num_microbatches == 1 and "8 tokens < 2 x 16" in plan.degraded
     prefill = [(0, 128)] * 8
-    assert plan_microbatches(prefill, 2, "token", min_tokens=16).num_microbatches == 2
-    assert plan_microbatches(decode, 4, "token", min_tokens=4).num_microbatches == 2
+    assert plan_microbatches(prefill, 2, "token", min_tokens=16)[0] == 2
+    assert plan_microbatches(decode, 4, "token", min_tokens=4)[0] == 2
     with pytest.raises(ValueError, match="min_tokens"):
         plan_microbatches(decode, 2, "token", min_tokens=0)
 
@@ -143,8 +143,7 @@ def test_simulated_step_time_by_hand():
     assert simulate_step(one, 2, cost) == 8 and simulate_step(two, 2, cost) == 5
     with_transfer = CostModel(attn_token=1, attn_context=0, ffn_token=1, attn_call=0, ffn_call=0, transfer=0.5)
     assert simulate_step(one, 2, with_transfer) == 2 * (2 + 2 + 2 * 0.5)
-    chosen = choose_plan([(0, 2)], 2, 2, "token", cost)
-    assert chosen.num_microbatches == 2 and chosen.estimates == ((1, 8), (2, 5)) and chosen.degraded is None
+    assert choose_microbatches([[(0, 2)]], 2, 2, "token", cost) == (2, ((1, 8), (2, 5)))
 
 
 @settings(max_examples=60, deadline=None)
@@ -201,23 +200,23 @@ def test_measured_ffn_curve_interpolates_and_decides():
     c = CostModel(attn_token=0.05, attn_context=0, ffn_token=1, attn_call=5, ffn_call=0, transfer=0.1, ffn_curve=curve)
     assert c.ffn_cost(1) == 10 and c.ffn_cost(4) == pytest.approx(10 + 2 * 3 / 7) and c.ffn_cost(768) == pytest.approx(250)
     assert c.ffn_cost(2048) == pytest.approx(400 + 300 * 2)  # along the last segment beyond the curve
-    assert choose_plan([(0, 1024)], 2, 4, "token", c).num_microbatches == 2  # 2 x 100 < 400: split the prefill
-    assert choose_plan([(0, 8)], 2, 4, "token", c).num_microbatches == 1  # 2 x ~11 > 12: keep the decode whole
+    assert choose_microbatches([[(0, 1024)]], 2, 4, "token", c)[0] == 2  # 2 x 100 < 400: split the prefill
+    assert choose_microbatches([[(0, 8)]], 2, 4, "token", c)[0] == 1  # 2 x ~11 > 12: keep the decode whole
     with pytest.raises(ValueError, match="increasing tokens"):
         CostModel(ffn_curve=((8, 1.0), (4, 2.0)))
 
 
 def test_choice_follows_the_costs():
     default = CostModel()
-    decode = choose_plan([(40, 1), (12, 1), (70, 1)], 4, 4, "token", default)
-    assert decode.num_microbatches == 1 and [m for m, _ in decode.estimates] == [1, 2, 3]  # fixed costs dominate
-    prefill = choose_plan([(0, 400)], 4, 4, "token", default)
-    assert prefill.num_microbatches > 1  # overlap is worth its fixed costs
-    assert [m for m, _ in choose_plan([(0, 1)], 4, 4, "token", default).estimates] == [1]  # one token: nothing to choose
+    decode = choose_microbatches([[(40, 1), (12, 1), (70, 1)]], 4, 4, "token", default)
+    assert decode[0] == 1 and [m for m, _ in decode[1]] == [1, 2, 3]  # fixed costs dominate
+    prefill = choose_microbatches([[(0, 400)]], 4, 4, "token", default)
+    assert prefill[0] > 1  # overlap is worth its fixed costs
+    assert [m for m, _ in choose_microbatches([[(0, 1)]], 4, 4, "token", default)[1]] == [1]  # one token: nothing to choose
     costly_calls = CostModel(ffn_call=1e6)
-    assert choose_plan([(0, 400)], 4, 4, "token", costly_calls).num_microbatches == 1
+    assert choose_microbatches([[(0, 400)]], 4, 4, "token", costly_calls)[0] == 1
     # the request policy cannot split one request
-    assert choose_plan([(0, 400)], 4, 4, "request", default).num_microbatches == 1
+    assert choose_microbatches([[(0, 400)]], 4, 4, "request", default)[0] == 1
 
 
 def test_a_long_prefill_beside_decodes_splits_by_work_not_tokens():
