@@ -126,8 +126,8 @@ def test_small_steps_keep_fewer_microbatches_and_say_why():
     plan = plan_microbatches(decode, 2, "token", min_tokens=16)
     assert plan.num_microbatches == 1 and "8 tokens < 2 x 16" in plan.degraded
     prefill = [(0, 128)] * 8
-    assert plan_microbatches(prefill, 2, "token", min_tokens=16)[0] == 2
-    assert plan_microbatches(decode, 4, "token", min_tokens=4)[0] == 2
+    assert plan_microbatches(prefill, 2, "token", min_tokens=16).num_microbatches == 2
+    assert plan_microbatches(decode, 4, "token", min_tokens=4).num_microbatches == 2
     with pytest.raises(ValueError, match="min_tokens"):
         plan_microbatches(decode, 2, "token", min_tokens=0)
 
