@@ -252,8 +252,8 @@ class DisaggregatedRunner:
     def _learn(self, step: StepPlan, mbs: list[_Microbatch]) -> None:
         """This step's costs into the learner: per micro-batch, its work here and its union's on the FFN side, per layer."""
         layers = self.model.config.num_layers
-        attention = [(sum(sp.length for sp in piece), sum(sp.length * sp.start + sp.length * (sp.length + 1) / 2 for sp in piece),
-                      mb.work_s / layers) for mb, piece in zip(mbs, self.last_plan.pieces)]
+        attention = [(sum(sp.length for sp in piece), CostModel.context(piece), mb.work_s / layers)
+                     for mb, piece in zip(mbs, self.last_plan.pieces)]
         ffn = [(step.union_tokens[mb.index], mb.ffn_s / mb.ffn_layers) for mb in mbs if mb.ffn_layers and mb.ffn_s > 0]
         self.ffn_busy_s += sum(mb.ffn_s for mb in mbs)
         self.learner.observe(attention, ffn, [mb.wire_s / 2 for mb in mbs if mb.ffn_layers])

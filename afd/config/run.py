@@ -53,10 +53,13 @@ class CostModel:
             return 0.0
         return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** num_tokens)
 
+    @staticmethod
+    def context(spans) -> float:
+        """Sum of (position + 1) over the spans' tokens: the keys their attention reads."""
+        return sum(sp.length * sp.start + sp.length * (sp.length + 1) / 2 for sp in spans)
+
     def attention_cost(self, spans) -> float:
-        return self.attn_call + sum(
-            sp.length * self.attn_token + self.attn_context * (sp.length * sp.start + sp.length * (sp.length + 1) / 2) for sp in spans
-        )
+        return self.attn_call + self.attn_token * sum(sp.length for sp in spans) + self.attn_context * self.context(spans)
 
     def ffn_cost(self, num_tokens: int) -> float:
         """Per micro-batch and layer. With a measured ``ffn_curve``: linear between its points (and along

@@ -148,7 +148,7 @@ def main() -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     built = ops()
-    print(f"afd kernels: {built.__name__} ({built.simd} register tiles, int8: {built.int8_tiles}, bf16: {built.bf16_tiles}) "
+    print(f"afd kernels: {built.__name__} ({built.simd} register tiles, int8: {built.int8_tiles}, bf16: {built.bf16_tiles}{', vdpbf16ps' if built.bf16_dot else ''}) "
           f"at {built.__file__}" if built is not None
           else "afd kernels: not built (see the warning above); the pure-torch paths will run")
     return 0

@@ -80,6 +80,11 @@ def _amx_bf16_expected() -> bool:
     return "amx_bf16" in support.cpu_flags() and support.amx_granted()
 
 
+def test_bf16_weights_take_dot_product_instructions_where_the_cpu_has_them():
+    """AVX-512 tiles on a CPU with AVX512-BF16 read bfloat16 weights with vdpbf16ps; elsewhere they widen them."""
+    assert native_ops().bf16_dot == (support.expected_simd() == "avx512" and "avx512_bf16" in support.cpu_flags())
+
+
 def test_amx_bf16_tiles_are_built_where_the_cpu_and_the_os_allow_them():
     assert native_ops().bf16_tiles == ("amx_bf16" if _amx_bf16_expected() else "none")
     want = 128 if _amx_bf16_expected() else (native_ops().small_linear_max_half_rows if native_ops().simd != "none" else 0)

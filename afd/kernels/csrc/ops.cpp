@@ -68,6 +68,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_matmul_amx", &bf16_matmul_amx, "bf16 x [M, K] . W [N, K]^T -> float32 on AMX-BF16 tiles, W read in place "
         "(amx.cpp; an error where they do not run or take the shape)");
   m.attr("bf16_tiles") = pybind11::str(amx_bf16_usable() ? "amx_bf16" : "none");
+  m.attr("bf16_dot") = pybind11::bool_(small_linear_bf16_dot());  // the register tiles' bf16 weights on vdpbf16ps
   m.def("int8_matmul", &int8_matmul, "int8 q [M, K] . int8 W [N, K]^T -> int32, W read in place: AMX-INT8 tiles at 5-256 rows "
         "(amx.cpp), else a few rows in VNNI or AVX2 register tiles (int8_linear.cpp), more to torch._int_mm; path: best, "
         "or amx, vnni, avx2 forced (an error where it does not run)",

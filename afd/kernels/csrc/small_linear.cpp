@@ -226,6 +226,14 @@ bool small_linear_vectorized() {
 #endif
 }
 
+bool small_linear_bf16_dot() {
+#if defined(__AVX512BF16__) && defined(AFD_SIMD_AVX512)
+  return true;
+#else
+  return false;
+#endif
+}
+
 int64_t small_linear_max_rows() { return kMaxRows; }
 
 int64_t small_linear_max_half_rows() { return kMaxHalfRows; }

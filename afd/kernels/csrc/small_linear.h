@@ -20,6 +20,7 @@ bool small_gemm(const float* x, int64_t rows, int64_t k_len, const at::Tensor& w
 int64_t linear_rows_bucket(int64_t rows);
 
 bool small_linear_vectorized();  // built with simd.h's register tiles (AVX-512 or AVX2)
+bool small_linear_bf16_dot();    // its tiles take bfloat16 weights with vdpbf16ps (built for AVX512-BF16)
 int64_t small_linear_max_rows();       // the most float32 rows it takes
 int64_t small_linear_max_half_rows();  // the most bfloat16 / float16 rows its register tiles take
 int64_t small_linear_max_bf16_rows();  // the most bfloat16 rows small_linear computes itself (register or AMX tiles)
