@@ -27,7 +27,8 @@ def _close_to_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torc
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 16, 17, 32, 40])  # past 16 (AVX-512) or 32 (AVX2) float32 rows: at::linear
-@pytest.mark.parametrize("n, k", [(13, 24), (384, 256), (66, 203)])  # weight-row and K tails (203: 3 past a vector of 8 or 16)
+# weight-row and K tails (203: 3 past a vector of 8 or 16, 11 past a line of 32 bf16); 96: an odd number of bf16 lines
+@pytest.mark.parametrize("n, k", [(13, 24), (384, 256), (66, 203), (5, 96)])
 def test_native_linear_matches_float64_like_f_linear(dtype, rows, n, k):
     assert native_ops() is not None, "afd/kernels did not build here"
     gen = torch.Generator().manual_seed(rows * 1000 + n)
