@@ -102,6 +102,29 @@ def test_decode_with_sinks_and_windows_equals_the_reference(impl, window, sinks,
         torch.testing.assert_close(got[i : i + 1].double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 8])
+@pytest.mark.parametrize("hq", [16, 6, 3])
+def test_one_token_of_one_key_head_splits_its_query_heads_over_the_threads(threads, hq):
+    """Fewer (token, key head) pairs than threads (MLA's absorbed form at batch 1): the kernel splits a pair's query
+    heads into parts of 4 (16 heads: 2 or 4 parts; 6: 2 parts, the last short; 3: one part), each with its own slice
+    of the sinks; every part's heads must equal the reference, whatever the thread count."""
+    contexts = [70]
+    k_cache, v_cache, tables = cache_and_tables(contexts, 1, 24, 16, seed=3)
+    chunks = [SeqChunk(t, n - 1, 1) for t, n in zip(tables, contexts)]
+    meta = build_attention_metadata(chunks, BS, page_tokens=8, windows=(20,))
+    q = torch.randn(1, hq, 24)
+    sink = torch.randn(hq) * 2
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = pa.decode_attention(q, k_cache, v_cache, meta.decode_pages(20), 0.3, sinks=sink)
+    finally:
+        torch.set_num_threads(before)
+    s = build_attention_metadata([SeqChunk(tables[0], 0, 70)], BS).prefills[0].slots
+    want = reference(q, k_cache[s], v_cache[s], 69, 0.3, 20, sink)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("window", [0, 3, 6])
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("start", [0, 5, 11])
