@@ -38,9 +38,8 @@ namespace {
 // path's packing pays for itself. float32: 16 rows with AVX-512 (1.0x MKL at 32 rows), 32 with AVX2, whose
 // MKL kernels are slower at these sizes (measured, one thread, this repo's shapes: 1.2-2.2x MKL at 8-16 rows,
 // 1.0-1.2x at 32, 0.8-1.0x at 48-64). Half precision: with bfloat16 dot-product instructions (AVX512_BF16)
-// 4 rows, measured when this kernel widened bf16 weights to float32 FMAs: from 8 rows up the product was
-// compute-bound and oneDNN's dot products did twice its work (0.8-0.9x at 8 rows, 1.2-2.2x at 1-4, V2-Lite's
-// shapes). It takes vdpbf16ps itself now (tile); the 4 stands until measured again. Without them
+// 6 rows: with vdpbf16ps (tile_dot) 1.1-1.25x oneDNN at 6 rows, 1.0x at 8, 0.55-0.85x at 12-16 (AMD EPYC, two
+// threads, V2-Lite's shapes; it was 4 when this kernel widened bf16 weights to float32 FMAs). Without them
 // torch's half-precision GEMM is emulated and this kernel is faster at every size (AVX2: 4.5-6x at 4-512
 // rows, bfloat16 and float16 alike), so it takes them all.
 #if defined(__AVX512F__)
@@ -49,7 +48,7 @@ constexpr int64_t kMaxRows = 16;
 constexpr int64_t kMaxRows = 32;
 #endif
 #if defined(__AVX512BF16__)
-constexpr int64_t kMaxHalfRows = 4;
+constexpr int64_t kMaxHalfRows = 6;
 #else
 constexpr int64_t kMaxHalfRows = std::numeric_limits<int64_t>::max();
 #endif
@@ -79,22 +78,6 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t k
     }
   };
   int64_t k = 0;
-#if defined(__AVX512BF16__) && defined(AFD_SIMD_AVX512)
-  if constexpr (std::is_same_v<W, c10::BFloat16>) {
-    // bfloat16 weights on a CPU with bf16 dot products (vdpbf16ps): a cache line of W (32 values) is one load and one
-    // instruction per row of x, instead of two widenings and two FMAs; x's 32 values are rounded to bfloat16 once per
-    // line for all NT rows of W. (x is a bfloat16 model's activation: rounding it is what torch's bf16 linear does.)
-    for (; k + kLine <= k_len; k += kLine) {
-      for (int n = 0; n < NT; ++n) _mm_prefetch(ahead + (n * ldw + k) * sizeof(W), _MM_HINT_T0);
-      __m512bh wv[NT];
-      for (int n = 0; n < NT; ++n) wv[n] = (__m512bh)_mm512_loadu_si512(w + n * ldw + k);
-      for (int m = 0; m < MT; ++m) {
-        const __m512bh xv = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + m * ldx + k + 16), _mm512_loadu_ps(x + m * ldx + k));
-        for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
-      }
-    }
-  }
-#endif
   for (; k + kLine <= k_len; k += kLine) {
     for (int n = 0; n < NT; ++n) _mm_prefetch(ahead + (n * ldw + k) * sizeof(W), _MM_HINT_T0);
     for (int64_t s = 0; s < kSteps; ++s) step(k + s * afd_simd::kLanes);
@@ -113,13 +96,72 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t k
     for (int n = 0; n < NT; ++n) out[m * ldo + n] = afd_simd::reduce_add(acc[m][n]);
 }
 
+#if defined(__AVX512BF16__) && defined(AFD_SIMD_AVX512)
+#define AFD_BF16_DOT 1
+// bfloat16 W on a CPU with bf16 dot products (vdpbf16ps): MT rows of x, already rounded to bfloat16 (rows ldx apart,
+// zero past k_len up to a whole line), against NT rows of W. A cache line of W (32 values) is one load and one
+// instruction per row of x, instead of two widenings and two FMAs. (x is a bfloat16 model's activation: rounding it
+// is what torch's bf16 linear does; the float32 activations the expert loop hands its down projection lose what
+// torch's bf16 path loses by keeping them in bfloat16.) W's rows kPrefetchRows on are asked for as in tile.
+template <int MT, int NT>
+inline void tile_dot(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t ldw, int64_t k_len, float* out, int64_t ldo) {
+  constexpr int64_t kLine = 32;
+  const char* ahead = reinterpret_cast<const char*>(w + kPrefetchRows * ldw);
+  __m512 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_setzero_ps();
+  const auto line = [&](int64_t k, __mmask32 mask) {
+    __m512bh wv[NT];
+    for (int n = 0; n < NT; ++n) wv[n] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + n * ldw + k);
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
+      for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv, wv[n]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + kLine <= k_len; k += kLine) {
+    for (int n = 0; n < NT; ++n) _mm_prefetch(ahead + (n * ldw + k) * sizeof(c10::BFloat16), _MM_HINT_T0);
+    line(k, ~__mmask32{0});
+  }
+  if (k < k_len) line(k, static_cast<__mmask32>((uint64_t{1} << (k_len - k)) - 1));
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m][n]);
+}
+
+// x [rows, K] float32 rounded to bfloat16 once per call, rows `ld` apart, zero-padded to whole lines of 32.
+std::vector<c10::BFloat16> rounded_rows(const float* x, int64_t rows, int64_t k_len, int64_t ld) {
+  std::vector<c10::BFloat16> xb(rows * ld, c10::BFloat16(0.f));
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* xm = x + m * k_len;
+    c10::BFloat16* bm = xb.data() + m * ld;
+    int64_t k = 0;
+    for (; k + 16 <= k_len; k += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(bm + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xm + k)));
+    for (; k < k_len; ++k) bm[k] = c10::BFloat16(xm[k]);
+  }
+  return xb;
+}
+#endif
+
+// One tile: x float32 against any W (tile), or x bfloat16 against bfloat16 W (tile_dot).
+template <int MT, int NT, typename X, typename W>
+inline void any_tile(const X* x, int64_t ldx, const W* w, int64_t ldw, int64_t k_len, float* out, int64_t ldo) {
+  if constexpr (std::is_same_v<X, float>) {
+    tile<MT, NT>(x, ldx, w, ldw, k_len, out, ldo);
+  } else {
+#if defined(AFD_BF16_DOT)
+    tile_dot<MT, NT>(x, ldx, w, ldw, k_len, out, ldo);
+#endif
+  }
+}
+
 // mt (1..MAX_MT) rows of x against NT rows of W.
-template <int NT, int MAX_MT, typename W>
-inline void tile_rows(int64_t mt, const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t k_len, float* out, int64_t ldo) {
+template <int NT, int MAX_MT, typename X, typename W>
+inline void tile_rows(int64_t mt, const X* x, int64_t ldx, const W* w, int64_t ldw, int64_t k_len, float* out, int64_t ldo) {
   switch (mt) {
 #define AFD_TILE_CASE(R) \
   case R:                \
-    if constexpr (R <= MAX_MT) tile<R, NT>(x, ldx, w, ldw, k_len, out, ldo); \
+    if constexpr (R <= MAX_MT) any_tile<R, NT>(x, ldx, w, ldw, k_len, out, ldo); \
     break;
     AFD_TILE_CASE(1)
     AFD_TILE_CASE(2)
@@ -147,8 +189,8 @@ constexpr TileShape kManyRows = kWide ? TileShape{2, 8} : TileShape{2, 6};
 static_assert(kManyRows.mt * kManyRows.nt + kManyRows.nt + 1 <= afd_simd::kRegisters, "a tile that spills");
 static_assert(kFewRows.mt * kFewRows.nt + kFewRows.nt + 1 <= afd_simd::kRegisters, "a tile that spills");
 
-template <int NT, int MT, typename W>
-void gemm_tiles(const float* x, int64_t rows, int64_t k_len, const W* w, int64_t n_len, float* out) {
+template <int NT, int MT, typename X, typename W>
+void gemm_tiles(const X* x, int64_t ldx, int64_t rows, int64_t k_len, const W* w, int64_t n_len, float* out) {
   constexpr int64_t nt = NT;
   const int64_t blocks = (n_len + nt - 1) / nt;
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (nt * k_len * static_cast<int64_t>(sizeof(W))));  // >= 64 KB of W a task
@@ -161,14 +203,14 @@ void gemm_tiles(const float* x, int64_t rows, int64_t k_len, const W* w, int64_t
       const int64_t c1 = std::min(b1, c0 + chunk);
       for (int64_t m0 = 0; m0 < rows; m0 += MT) {
         const int64_t mt = std::min<int64_t>(MT, rows - m0);
-        const float* xm = x + m0 * k_len;
+        const X* xm = x + m0 * ldx;
         for (int64_t b = c0; b < c1; ++b) {
           const int64_t n0 = b * nt, nn = std::min(nt, n_len - n0);
           float* om = out + m0 * n_len + n0;
           if (nn == nt) {
-            tile_rows<NT, MT>(mt, xm, k_len, w + n0 * k_len, k_len, k_len, om, n_len);
+            tile_rows<NT, MT>(mt, xm, ldx, w + n0 * k_len, k_len, k_len, om, n_len);
           } else {
-            for (int64_t n = n0; n < n0 + nn; ++n) tile_rows<1, MT>(mt, xm, k_len, w + n * k_len, k_len, k_len, om + (n - n0), n_len);
+            for (int64_t n = n0; n < n0 + nn; ++n) tile_rows<1, MT>(mt, xm, ldx, w + n * k_len, k_len, k_len, om + (n - n0), n_len);
           }
         }
       }
@@ -176,20 +218,14 @@ void gemm_tiles(const float* x, int64_t rows, int64_t k_len, const W* w, int64_t
   });
 }
 
-#if defined(__AVX512BF16__) && defined(AFD_SIMD_AVX512)
+#if defined(AFD_BF16_DOT)
 // One row of x against bfloat16 W with vdpbf16ps: W's rows one after another, each read front to back, so a thread
 // streams one sequential run of memory (the tiles read NT rows side by side and ask for NT more ahead: on the AMD
 // EPYC VM that ran at 19-21 GB/s where this runs at 26-27 against a plain read's 25-26, median of 10 interleaved
-// rounds, 2 threads, 460 MB of W; float32 W showed no difference, so it keeps the tiles). x is rounded to bfloat16
-// once per call, as the tile rounds it once per line; two accumulators hide the instruction's latency.
-void gemv_bf16(const float* x, int64_t k_len, const c10::BFloat16* w, int64_t n_len, float* out) {
+// rounds, 2 threads, 460 MB of W; float32 W showed no difference, so it keeps the tiles). x rounded to bfloat16
+// (rounded_rows: one row, zero-padded to whole lines); two accumulators hide the instruction's latency.
+void gemv_bf16(const c10::BFloat16* xp, int64_t k_len, const c10::BFloat16* w, int64_t n_len, float* out) {
   constexpr int64_t kLine = 32;  // bfloat16 values per cache line and per vdpbf16ps
-  const int64_t padded = (k_len + kLine - 1) / kLine * kLine;
-  std::vector<c10::BFloat16> xb(padded, c10::BFloat16(0.f));  // the zero tail meets W's masked-off tail
-  for (int64_t k = 0; k + 16 <= k_len; k += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb.data() + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k)));
-  for (int64_t k = k_len / 16 * 16; k < k_len; ++k) xb[k] = c10::BFloat16(x[k]);
-  const c10::BFloat16* xp = xb.data();
   const int64_t full = k_len / kLine * kLine, tail = k_len - full;
   const __mmask32 mask = tail ? static_cast<__mmask32>((uint64_t{1} << tail) - 1) : 0;
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (k_len * static_cast<int64_t>(sizeof(c10::BFloat16))));  // >= 64 KB a task
@@ -214,17 +250,26 @@ void gemv_bf16(const float* x, int64_t k_len, const c10::BFloat16* w, int64_t n_
 // out [M, N] float32 = x [M, K] float32 . W [N, K]^T.
 template <typename W>
 void gemm(const float* x, int64_t rows, int64_t k_len, const W* w, int64_t n_len, float* out) {
-#if defined(__AVX512BF16__) && defined(AFD_SIMD_AVX512)
-  if constexpr (std::is_same_v<W, c10::BFloat16>) {
-    if (rows == 1) return gemv_bf16(x, k_len, w, n_len, out);
+#if defined(AFD_BF16_DOT)
+  if constexpr (std::is_same_v<W, c10::BFloat16>) {  // x rounded to bfloat16 once, for vdpbf16ps
+    const int64_t ld = (k_len + 31) / 32 * 32;
+    const std::vector<c10::BFloat16> xb = rounded_rows(x, rows, k_len, ld);
+    if (rows == 1) {
+      gemv_bf16(xb.data(), k_len, w, n_len, out);
+    } else if (rows <= kFewRows.mt) {
+      gemm_tiles<kFewRows.nt, kFewRows.mt>(xb.data(), ld, rows, k_len, w, n_len, out);
+    } else {
+      gemm_tiles<kManyRows.nt, kManyRows.mt>(xb.data(), ld, rows, k_len, w, n_len, out);
+    }
+    return;
   }
 #endif
   if (rows <= kOneRow.mt) {
-    gemm_tiles<kOneRow.nt, kOneRow.mt>(x, rows, k_len, w, n_len, out);
+    gemm_tiles<kOneRow.nt, kOneRow.mt>(x, k_len, rows, k_len, w, n_len, out);
   } else if (rows <= kFewRows.mt) {
-    gemm_tiles<kFewRows.nt, kFewRows.mt>(x, rows, k_len, w, n_len, out);
+    gemm_tiles<kFewRows.nt, kFewRows.mt>(x, k_len, rows, k_len, w, n_len, out);
   } else {
-    gemm_tiles<kManyRows.nt, kManyRows.mt>(x, rows, k_len, w, n_len, out);
+    gemm_tiles<kManyRows.nt, kManyRows.mt>(x, k_len, rows, k_len, w, n_len, out);
   }
 }
 #endif
@@ -268,7 +313,7 @@ bool small_linear_vectorized() {
 }
 
 bool small_linear_bf16_dot() {
-#if defined(__AVX512BF16__) && defined(AFD_SIMD_AVX512)
+#if defined(AFD_BF16_DOT)
   return true;
 #else
   return false;
