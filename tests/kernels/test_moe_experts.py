@@ -74,7 +74,9 @@ def test_native_experts_equal_the_python_loop_and_a_dense_reference(dtype, num_t
     dense = dense_reference(python, x, ids, weights)
     most = max(python.tokens_routed)
     kernels = native_ops()
-    if most > (kernels.small_linear_max_rows if dtype == torch.float32 else kernels.small_linear_max_half_rows):
+    in_loop = most <= (kernels.small_linear_max_rows if dtype == torch.float32 else
+                       max(kernels.small_linear_max_half_rows, kernels.moe_experts_bf16_dot_rows))
+    if not in_loop:
         # the loop's own ATen ops, in its order
         assert torch.equal(got, want), (got - want).abs().max()
     else:  # the C++ loop: float32 throughout, rounded once
@@ -128,7 +130,7 @@ def test_bf16_experts_on_amx_tiles_are_as_close_as_the_loop_and_run_no_aten_op_p
     if kernels.moe_experts_bf16_tiles and most > kernels.small_linear_max_half_rows:
         assert not ops & {"aten::silu", "aten::sigmoid", "aten::index_select", "aten::index_put_"}, ops
         assert (got.double() - dense).abs().max() <= 2 * (want.double() - dense).abs().max() + 1e-2 * dense.abs().max()
-    elif most > kernels.small_linear_max_half_rows:
+    elif most > max(kernels.small_linear_max_half_rows, kernels.moe_experts_bf16_dot_rows):
         assert torch.equal(got, want), (got - want).abs().max()
 
 
@@ -163,6 +165,32 @@ def test_bf16_experts_side_by_side_on_the_threads_equal_one_at_a_time(skewed):
         assert (out - dense).abs().max() <= 2 * loop + 1e-2 * dense.abs().max()
     # the two differ only by the order the partial outputs of a token's slots are added: a bf16 rounding at most
     assert torch.allclose(got[1], got[2], rtol=1e-2, atol=1e-2 * dense.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gpt_oss", [False, True])
+@pytest.mark.parametrize("held", [list(range(8)), [0, 2, 3, 5, 7]])
+def test_decode_sized_experts_side_by_side_give_the_same_bits_at_any_thread_count(dtype, gpt_oss, held):
+    """At decode sizes the register tiles run the experts side by side on the threads (one expert a thread at a
+    time), each held (token, slot) row kept in float32 and added into its token's row at the end in expert order, as
+    one thread adds them: 1, 2 and 3 threads give the same bits, every call; and as close to float64 as the loop."""
+    x = torch.randn(20, 24, generator=torch.Generator().manual_seed(6)).to(dtype)
+    ids, weights = routing(20, 3, 8, seed=7)  # ~7 rows an expert: within the tiles' rows for float32 and bf16
+    experts = make_experts(held, dtype=dtype, gpt_oss=gpt_oss)
+    threads = torch.get_num_threads()
+    try:
+        got = {}
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got[n] = experts(x, ids, weights)
+            assert all(torch.equal(experts(x, ids, weights), got[n]) for _ in range(2))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[1], got[2]) and torch.equal(got[1], got[3]), ((got[1] - got[2]).abs().max(), (got[1] - got[3]).abs().max())
+    dense = dense_reference(experts, x, ids, weights)
+    loop = (experts.reference(x, ids, weights).double() - dense).abs().max()
+    ulp = {torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    assert (got[2].double() - dense).abs().max() <= 2 * loop + ulp * dense.abs().max()
 
 
 def test_native_experts_refuse_an_expert_id_out_of_range():

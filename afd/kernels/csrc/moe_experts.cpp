@@ -110,6 +110,23 @@ bool experts_take_tiles(at::ScalarType dtype, int64_t most, int64_t hidden, int6
   return dtype == at::kBFloat16 && amx_bf16_usable() && most > 0 && hidden % 32 == 0 && inter % 32 == 0 && hidden >= 32 && inter >= 32;
 }
 
+// Whether bf16 experts of more rows than small_linear's own limit take the decode path on a CPU with bf16 dot products
+// (small_linear.cpp's tile_dot; no AMX-BF16 there): up to kDotExpertRows rows an expert, past which the ATen loop's
+// oneDNN GEMMs are faster.
+constexpr int64_t kDotExpertRows = 32;
+// The most bytes of float32 rows the register tiles' side-by-side run keeps (one per held (token, slot)); past them
+// (V3's 7,168-wide rows at hundreds of tokens) one expert at a time, split over the threads.
+constexpr int64_t kExactRowBytes = int64_t{16} << 20;
+bool experts_take_dot(at::ScalarType dtype, int64_t most) {
+  return dtype == at::kBFloat16 && small_linear_bf16_dot() && !amx_bf16_usable() && most > 0 && most <= kDotExpertRows;
+}
+
+}  // namespace
+
+int64_t moe_experts_bf16_dot_rows() { return small_linear_bf16_dot() && !amx_bf16_usable() ? kDotExpertRows : 0; }
+
+namespace {
+
 // The decode path (see the top): out [T, H] float32 += weight * expert(x row) for every held (token, slot) row. With
 // `tiles` (bfloat16 on AMX-BF16, amx.cpp; H and I multiples of 32) the GEMMs take bf16 rows and return float32: x's
 // rows are gathered as they are, the activation rounded to bf16 once for the down GEMM, and an expert's rows go
@@ -162,7 +179,9 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
   if (math.down_bias) b2 = math.down_bias->to(at::kFloat).contiguous();
   // expert e's rows c0 .. c0 + n through it, each weighted into its token's row of os
   // (or, with `slots`, each weighted row into its own (token, slot) row of slots, in bf16, as the Python loop keeps them)
-  const auto run_chunk = [&](Scratch& s, float* os, int64_t e, int64_t c0, int64_t n, c10::BFloat16* slots = nullptr) {
+  // (or, with `exact`, each unweighted row, its bias added, into exact's row c0 + i: rows in `rows`' order, float32)
+  const auto run_chunk = [&](Scratch& s, float* os, int64_t e, int64_t c0, int64_t n, c10::BFloat16* slots = nullptr,
+                             float* exact = nullptr) {
     const int64_t* slot_rows = rows.data() + c0;
     rows_in_parallel(n, [&](int64_t i) {
       if (tiles)
@@ -187,6 +206,16 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
     rows_in_parallel(n, [&](int64_t i) {
       const float w = ws[slot_rows[i]];
       const float* y = s.ye.data() + i * hidden;
+      if (exact != nullptr) {
+        float* o = exact + (c0 + i) * hidden;
+        if (bias != nullptr) {
+#pragma omp simd
+          for (int64_t c = 0; c < hidden; ++c) o[c] = y[c] + bias[c];
+        } else {
+          std::memcpy(o, y, hidden * sizeof(float));
+        }
+        return;
+      }
       if (slots != nullptr) {
         c10::BFloat16* o = slots + slot_rows[i] * hidden;
         for (int64_t c = 0; c < hidden; ++c) o[c] = c10::BFloat16(w * (bias != nullptr ? y[c] + bias[c] : y[c]));
@@ -209,7 +238,45 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
   // side by side: two threads or more, a chunk each at least, and no expert holding more than a thread's share of the
   // rows (one that does runs alone, split over the threads, instead of keeping one busy while the others wait)
   const int64_t threads = at::get_num_threads();
-  if (tiles && threads > 1 && static_cast<int64_t>(chunks.size()) >= threads && most * threads <= count[num_experts]) {
+  const bool spread = threads > 1 && static_cast<int64_t>(chunks.size()) >= threads && most * threads <= count[num_experts];
+  if (spread && !tiles && count[num_experts] * hidden * static_cast<int64_t>(sizeof(float)) <= kExactRowBytes) {
+    // the register tiles side by side (one parallel region a call, not two a GEMM's: the built-in model's 32-token
+    // decode ran 16 regions a layer for ~40 us of products each), each held (token, slot) row's output kept in
+    // float32 and added into its token's row at the end in expert order, as one thread adds them: the same bits
+    // whatever the thread count
+    std::vector<float> exact(count[num_experts] * hidden);
+    std::vector<int64_t> at_row(x.size(0) * k, -1), expert_of(count[num_experts]);  // (token, slot) -> its row in exact
+    for (int64_t e = 0; e < num_experts; ++e)
+      for (int64_t r = count[e]; r < count[e + 1]; ++r) at_row[rows[r]] = r, expert_of[r] = e;
+    std::vector<int64_t> order(chunks.size());  // largest first: the last chunks taken are the short ones
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return rows_of(chunks[a]) > rows_of(chunks[b]); });
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      Scratch s = scratch();
+      for (int64_t j; (j = next++) < static_cast<int64_t>(order.size());) {
+        const auto& c = chunks[order[j]];
+        run_chunk(s, nullptr, c.first, c.second, rows_of(c), nullptr, exact.data());
+      }
+    });
+    float* os = out.data_ptr<float>();
+    at::parallel_for(0, x.size(0), 16, [&](int64_t t0, int64_t t1) {
+      std::vector<int64_t> held;
+      for (int64_t t = t0; t < t1; ++t) {
+        held.clear();
+        for (int64_t j = 0; j < k; ++j)
+          if (at_row[t * k + j] >= 0) held.push_back(at_row[t * k + j]);
+        std::sort(held.begin(), held.end(), [&](int64_t a, int64_t b) { return expert_of[a] < expert_of[b]; });
+        float* o = os + t * hidden;
+        for (const int64_t r : held) {
+          const float w = ws[rows[r]];
+          const float* y = exact.data() + r * hidden;
+#pragma omp simd
+          for (int64_t c = 0; c < hidden; ++c) o[c] += w * y[c];
+        }
+      }
+    });
+  } else if (spread && tiles) {
     // whichever thread is free takes the next chunk (a busy server's other threads take a core now and then: a fixed
     // split would leave one thread spinning at the end while the other finishes), and each (token, slot) row is
     // written once, so the sum over a token's slots, taken at the end in slot order, does not depend on who did what
@@ -288,7 +355,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
   const int64_t most = grouped.most;
   const auto dtype = x.scalar_type();
   const bool in_dtype = mxfp4 || (gate_up.scalar_type() == dtype && down.scalar_type() == dtype && gate_up.is_contiguous() && down.is_contiguous());
-  if (small_linear_takes(dtype, most) && in_dtype)
+  if ((small_linear_takes(dtype, most) || experts_take_dot(dtype, most)) && in_dtype)
     return {experts_in_place(x, weights, gate_up, down, count, rows, k, most, math, inter), at::tensor(per_expert, index_options)};
   if (experts_take_tiles(dtype, most, x.size(1), inter) && in_dtype)
     return {experts_in_place(x, weights, gate_up, down, count, rows, k, most, math, inter, true), at::tensor(per_expert, index_options)};

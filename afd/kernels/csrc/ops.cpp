@@ -15,6 +15,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
                                                const c10::optional<at::Tensor>& down_scales, double swiglu_offset);
 
 bool paged_decode_vectorized();
+int64_t moe_experts_bf16_dot_rows();
 at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& w_kv_b, const at::Tensor& cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size, double scale, int64_t window);
 
@@ -83,8 +84,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Gated DeltaNet decode: one token per sequence, its recurrent state read and written in place in the slots (gated_deltanet.cpp)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("g"), pybind11::arg("beta"), pybind11::arg("state"),
         pybind11::arg("slots"), pybind11::arg("fresh"));
-  // bf16 experts (H and I multiples of 32) run moe_experts' C++ loop on AMX-BF16 tiles, any rows, past 4 an expert
+  // bf16 experts (H and I multiples of 32) run moe_experts' C++ loop on AMX-BF16 tiles, any rows, past the register tiles'
   m.attr("moe_experts_bf16_tiles") = pybind11::bool_(amx_bf16_usable());
+  // without AMX, on vdpbf16ps: the C++ loop takes bf16 experts of up to this many rows each (0: no bf16 dot products)
+  m.attr("moe_experts_bf16_dot_rows") = pybind11::int_(moe_experts_bf16_dot_rows());
   m.def("moe_experts", &moe_experts, "the routed experts held here, one GEMM pair per expert (moe_experts.cpp)",
         pybind11::arg("x"), pybind11::arg("local_ids"), pybind11::arg("weights"), pybind11::arg("gate_up"), pybind11::arg("down"),
         pybind11::arg("gate_up_bias") = pybind11::none(), pybind11::arg("down_bias") = pybind11::none(),
