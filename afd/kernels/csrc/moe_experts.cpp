@@ -6,11 +6,14 @@
 //   an expert gets 1-8 rows, and the ~8 ATen ops around its two GEMMs (gather, silu, mul, weighting, scatter,
 //   the final sum over slots) had cost as much as the GEMMs. Intermediates stay in float32, so in half
 //   precision this path rounds once, at the end (the Python loop rounds after every op): it agrees with the
-//   loop to the loop's own rounding, not bit for bit. bf16 experts of more than 4 rows each take this loop too, at any
-//   size, where the CPU has AMX-BF16 (amx.cpp's tiles; H and I multiples of 32): x's rows gathered as bf16, float32
-//   products in chunks of up to 512 rows, the activation rounded to bf16 once for the down GEMM (the built-in model's 32-row decode: 0.51 -> 0.25 ms a layer);
-//   the experts side by side on the threads where their rows are spread (V2-Lite's 64 experts: 1.13x at 48 tokens;
-//   the built-in model's 8: 1.3-2.8x).
+//   loop to the loop's own rounding, not bit for bit. bf16 experts of more than small_linear's rows each take this loop
+//   too, at any size, where the CPU has AMX-BF16 (amx.cpp's tiles; H and I multiples of 32): x's rows gathered as bf16,
+//   float32 products in chunks of up to 512 rows, the activation rounded to bf16 once for the down GEMM (the built-in
+//   model's 32-row decode: 0.51 -> 0.25 ms a layer); without AMX, up to 32 rows an expert on vdpbf16ps (small_linear's
+//   tile_dot: V2-Lite's shapes 1.0x the ATen loop at 128 tokens, 1.7x at 32; the built-in model's 4.6-11x at 8-64).
+//   The experts run side by side on the threads where their rows are spread (AMX: V2-Lite's 64 experts 1.13x at 48
+//   tokens, the built-in model's 8 1.3-2.8x; register tiles: one parallel region a call instead of two a GEMM, the
+//   built-in model's 32-token decode 1.08 -> 0.24 ms a layer).
 // * Otherwise (prefill, or neither instruction set): the same ATen ops, in the same order, as GroupedExperts.reference's
 //   per-expert loop (afd/models/layers.py), without a Python round trip per op, so bit for bit its output
 //   (its GEMMs are small_linear's, which the loop's ``linear`` calls too).
