@@ -24,6 +24,7 @@ from afd.engine.tokenizer import Tokenizer
 from afd.kvcache import PagedKVCache, make_blocks
 from afd.models import WeightSelection, load_model
 from afd.models.base import MoEModel
+from afd.models.layers import warm_up_linears
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class LLMEngine:
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()  # without one, prompts are token ids
         engine = cls(model, Tokenizer(model_dir) if has_tokenizer else None, config)
         engine.limits = limits
+        warm_up_linears(model, max(config.max_num_seqs, config.max_num_batched_tokens))
         return engine
 
     # ------------------------------------------------------------------ requests

@@ -319,3 +319,41 @@ def experts_dtype(model) -> torch.dtype:
         if isinstance(experts, GroupedExperts) and not experts.gate_up_proj.is_meta:
             return experts.compute_dtype or experts.gate_up_proj.dtype
     return torch.float32
+
+
+def warm_up_linears(model: nn.Module, most_rows: int, budget_s: float = 2.0) -> tuple[int, int]:
+    """Has oneDNN build now the kernel of every half-precision linear shape a step of up to ``most_rows`` rows will
+    ask of it, instead of inside the first steps that meet each: it JIT-compiles one per (rows, N, K) the first time
+    it sees it (0.5-1 ms each at the built-in model's shapes, more at larger ones; rows as :func:`linear` pads them), and
+    a server's first steps at each new batch size paid that (vllm_bench.py's first 32-stream round in bf16: 1.09x vLLM,
+    the later rounds 1.40-1.48x). float32 (MKL) builds nothing, and neither do the rows afd's kernels take. One call per
+    distinct weight shape and padded row count, on the model's own weights, fewest rows first, until ``budget_s``
+    is spent (a large model's big row counts cost GEMMs of seconds). Returns (calls, the most rows warmed)."""
+    import logging
+    import time
+
+    kernels = native_ops()
+    if kernels is None:
+        return 0, 0
+    first_native = {torch.bfloat16: kernels.small_linear_max_bf16_rows, torch.float16: kernels.small_linear_max_half_rows}
+    weights = {}  # (shape, dtype) -> a weight of it
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if isinstance(module, nn.Linear) and w is not None and w.device.type == "cpu" and w.dtype in first_native:
+            weights.setdefault((tuple(w.shape), w.dtype), w)
+    if not weights:
+        return 0, 0
+    buckets = sorted({kernels.linear_rows_bucket(r) for r in range(min(first_native.values()) + 1, most_rows + 1)})
+    calls, reached, deadline = 0, 0, time.monotonic() + budget_s
+    with torch.no_grad():
+        for rows in buckets:
+            if time.monotonic() >= deadline:
+                break
+            for ((_, k), dtype), w in weights.items():
+                if rows > first_native[dtype]:
+                    linear(torch.zeros(rows, k, dtype=dtype), w)
+                    calls += 1
+            reached = rows
+    logging.getLogger(__name__).info("built oneDNN's kernels of %d linear shapes x row counts, up to %d of %d rows, in %.2f s",
+                                     calls, reached, most_rows, time.monotonic() - deadline + budget_s)
+    return calls, reached

@@ -11,6 +11,7 @@ from afd.connectors.factory import REOPENABLE, LinkSpec
 from afd.connectors.wire import Role, rank_name
 from afd.distributed.topology import DeviceSpec, ExpertPlacement, Topology
 from afd.models import WeightSelection, load_model
+from afd.models.layers import warm_up_linears
 from afd.runtime.messages import ReadyReport
 
 
@@ -81,4 +82,7 @@ def load(spec: RankSpec):
     """The rank's model (only its own weights) and its READY report."""
     model, report = load_model(spec.model_dir, dtype=spec.engine.dtype, device=spec.device.torch_device, fp8=spec.engine.fp8_weights, mxfp4=spec.engine.mxfp4_weights,
                                selection=selection_for(spec))
+    e = spec.engine  # the rows of a step: an FFN rank's union holds every attention rank's
+    rows = max(e.max_num_seqs, e.max_num_batched_tokens or 0) * (spec.topology.num_attention_ranks if spec.role == Role.FFN else 1)
+    warm_up_linears(model, rows)
     return model, ReadyReport(spec.name, os.getpid(), report.tensors, report.bytes_read)

@@ -159,3 +159,23 @@ def test_half_precision_rows_past_the_tiles_are_padded_and_equal_f_linear(monkey
     assert calls == [rows] and got.shape == (rows, 48) and got.dtype == dtype
     _close_to_exact(got, x, w, b)
     assert kernels.linear_rows_bucket(rows) > rows  # these counts are padded where torch takes them
+
+
+def test_warm_up_builds_every_half_precision_shape_a_step_will_ask_for(monkeypatch):
+    """``warm_up_linears`` calls each distinct bf16 weight shape once per padded row count that a step of up to R rows
+    gives oneDNN (past the rows afd's kernels take), fewest rows first, and stops at its time budget; float32 builds
+    nothing."""
+    from afd.models import layers
+
+    kernels = native_ops()
+    model = torch.nn.Sequential(Linear(64, 48, bias=False), Linear(64, 48, bias=False), Linear(48, 32, bias=False)).to(torch.bfloat16)
+    seen = []
+    monkeypatch.setattr(layers, "linear", lambda x, w, b=None: seen.append((x.shape[0], tuple(w.shape))))
+    calls, reached = layers.warm_up_linears(model, 100)
+    want = {(kernels.linear_rows_bucket(r), s) for r in range(kernels.small_linear_max_bf16_rows + 1, 101) for s in ((48, 64), (32, 48))}
+    assert set(seen) == want and len(seen) == len(want) == calls  # each once, both shapes, none of the native rows
+    assert reached == max(r for r, _ in want) >= 100
+    assert [r for r, _ in seen] == sorted(r for r, _ in seen)
+    seen.clear()
+    assert layers.warm_up_linears(model, 100, budget_s=0.0) == (0, 0) and not seen
+    assert layers.warm_up_linears(model.float(), 100) == (0, 0) and not seen
