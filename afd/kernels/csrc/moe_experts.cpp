@@ -242,7 +242,11 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
   // rows (one that does runs alone, split over the threads, instead of keeping one busy while the others wait)
   const int64_t threads = at::get_num_threads();
   const bool spread = threads > 1 && static_cast<int64_t>(chunks.size()) >= threads && most * threads <= count[num_experts];
-  if (spread && !tiles && count[num_experts] * hidden * static_cast<int64_t>(sizeof(float)) <= kExactRowBytes) {
+  // the register tiles: and whole experts a thread keep every thread busy to within a quarter (3 experts on 2 threads
+  // would leave one idle half the time: split each GEMM over the threads instead)
+  const int64_t n_chunks = static_cast<int64_t>(chunks.size()), rounds = (n_chunks + threads - 1) / threads;
+  if (spread && !tiles && 4 * rounds * threads <= 5 * n_chunks &&
+      count[num_experts] * hidden * static_cast<int64_t>(sizeof(float)) <= kExactRowBytes) {
     // the register tiles side by side (one parallel region a call, not two a GEMM's: the built-in model's 32-token
     // decode ran 16 regions a layer for ~40 us of products each), each held (token, slot) row's output kept in
     // float32 and added into its token's row at the end in expert order, as one thread adds them: the same bits
