@@ -165,14 +165,20 @@ def test_warm_up_builds_every_half_precision_shape_a_step_will_ask_for(monkeypat
     """``warm_up_linears`` calls each distinct bf16 weight shape once per padded row count that a step of up to R rows
     gives oneDNN (past the rows afd's kernels take), fewest rows first, and stops at its time budget; float32 builds
     nothing."""
+    import types
+
     from afd.models import layers
 
-    kernels = native_ops()
+    real = native_ops()
+    assert layers.warm_up_linears(torch.nn.Linear(64, 48).to(torch.bfloat16), real.small_linear_max_bf16_rows) == (0, 0)
+    # the native rows as on an AVX512-BF16 CPU without AMX (6), whatever this CPU takes (AVX2: every bf16 row count)
+    kernels = types.SimpleNamespace(small_linear_max_bf16_rows=6, small_linear_max_half_rows=6, linear_rows_bucket=real.linear_rows_bucket)
+    monkeypatch.setattr(layers, "native_ops", lambda: kernels)
     model = torch.nn.Sequential(Linear(64, 48, bias=False), Linear(64, 48, bias=False), Linear(48, 32, bias=False)).to(torch.bfloat16)
     seen = []
     monkeypatch.setattr(layers, "linear", lambda x, w, b=None: seen.append((x.shape[0], tuple(w.shape))))
     calls, reached = layers.warm_up_linears(model, 100)
-    want = {(kernels.linear_rows_bucket(r), s) for r in range(kernels.small_linear_max_bf16_rows + 1, 101) for s in ((48, 64), (32, 48))}
+    want = {(kernels.linear_rows_bucket(r), s) for r in range(7, 101) for s in ((48, 64), (32, 48))}
     assert set(seen) == want and len(seen) == len(want) == calls  # each once, both shapes, none of the native rows
     assert reached == max(r for r, _ in want) >= 100
     assert [r for r, _ in seen] == sorted(r for r, _ in seen)
