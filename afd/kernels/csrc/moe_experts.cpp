@@ -241,6 +241,18 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
   // side by side: two threads or more, a chunk each at least, and no expert holding more than a thread's share of the
   // rows (one that does runs alone, split over the threads, instead of keeping one busy while the others wait)
   const int64_t threads = at::get_num_threads();
+  // every thread takes the next chunk while there is one, largest first (the last ones taken are the short ones), with
+  // scratch of its own
+  const auto side_by_side = [&](const std::function<void(Scratch&, const std::pair<int64_t, int64_t>&)>& run) {
+    std::vector<int64_t> order(chunks.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return rows_of(chunks[a]) > rows_of(chunks[b]); });
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      Scratch s = scratch();
+      for (int64_t j; (j = next++) < static_cast<int64_t>(order.size());) run(s, chunks[order[j]]);
+    });
+  };
   const bool spread = threads > 1 && static_cast<int64_t>(chunks.size()) >= threads && most * threads <= count[num_experts];
   // the register tiles: and whole experts a thread keep every thread busy to within a quarter (3 experts on 2 threads
   // would leave one idle half the time: split each GEMM over the threads instead)
@@ -255,16 +267,8 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
     std::vector<int64_t> at_row(x.size(0) * k, -1), expert_of(count[num_experts]);  // (token, slot) -> its row in exact
     for (int64_t e = 0; e < num_experts; ++e)
       for (int64_t r = count[e]; r < count[e + 1]; ++r) at_row[rows[r]] = r, expert_of[r] = e;
-    std::vector<int64_t> order(chunks.size());  // largest first: the last chunks taken are the short ones
-    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return rows_of(chunks[a]) > rows_of(chunks[b]); });
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      Scratch s = scratch();
-      for (int64_t j; (j = next++) < static_cast<int64_t>(order.size());) {
-        const auto& c = chunks[order[j]];
-        run_chunk(s, nullptr, c.first, c.second, rows_of(c), nullptr, exact.data());
-      }
+    side_by_side([&](Scratch& s, const std::pair<int64_t, int64_t>& c) {
+      run_chunk(s, nullptr, c.first, c.second, rows_of(c), nullptr, exact.data());
     });
     float* os = out.data_ptr<float>();
     at::parallel_for(0, x.size(0), 16, [&](int64_t t0, int64_t t1) {
@@ -290,16 +294,8 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
     at::Tensor slots = at::empty({x.size(0) * k, hidden}, x.options().dtype(at::kBFloat16));
     std::vector<char> held(x.size(0) * k, 0);  // the (token, slot) rows an expert here writes
     for (const int64_t r : rows) held[r] = 1;
-    std::vector<int64_t> order(chunks.size());  // largest first: the last chunks taken are the short ones
-    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return rows_of(chunks[a]) > rows_of(chunks[b]); });
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      Scratch s = scratch();
-      for (int64_t j; (j = next++) < static_cast<int64_t>(order.size());) {
-        const auto& c = chunks[order[j]];
-        run_chunk(s, nullptr, c.first, c.second, rows_of(c), slots.data_ptr<c10::BFloat16>());
-      }
+    side_by_side([&](Scratch& s, const std::pair<int64_t, int64_t>& c) {
+      run_chunk(s, nullptr, c.first, c.second, rows_of(c), slots.data_ptr<c10::BFloat16>());
     });
     const c10::BFloat16* sp = slots.data_ptr<c10::BFloat16>();
     float* os = out.data_ptr<float>();
