@@ -8,8 +8,8 @@
 // (docs/benchmarks.md, "Kernels"). Here each W row is read once, in place, a vector (16 or 8 values) at a time, and meets
 // every row of x while it is in registers: MT rows of x by NT rows of W per tile, MT * NT accumulators.
 //
-//   x       [M, K]   float32 (M <= 16), bfloat16 or float16 (M <= 4; bf16 to 128 on AMX tiles); more rows go to
-//                    at::linear, half precision padded to linear_rows_bucket rows
+//   x       [M, K]   float32 (M <= 16), bfloat16 or float16 (M <= 6 with bf16 dot products, any M without; bf16 to
+//                    128 on AMX tiles); more rows go to at::linear, half precision padded to linear_rows_bucket rows
 //   weight  [N, K]   x's dtype, contiguous (nn.Linear's layout)
 //   bias    [N]      optional, x's dtype
 //   returns [M, N]   x's dtype; products and sums in float32, rounded once (as torch's CPU linear does); with
@@ -38,7 +38,7 @@ namespace {
 // path's packing pays for itself. float32: 16 rows with AVX-512 (1.0x MKL at 32 rows), 32 with AVX2, whose
 // MKL kernels are slower at these sizes (measured, one thread, this repo's shapes: 1.2-2.2x MKL at 8-16 rows,
 // 1.0-1.2x at 32, 0.8-1.0x at 48-64). Half precision: with bfloat16 dot-product instructions (AVX512_BF16)
-// 6 rows: with vdpbf16ps (tile_dot) 1.1-1.25x oneDNN at 6 rows, 1.0x at 8, 0.55-0.85x at 12-16 (AMD EPYC, two
+// 6 rows: with vdpbf16ps (tile_dot) 1.1-1.25x oneDNN at 6 rows, 0.78-1.06x at 8, 0.55-0.85x at 12-16 (AMD EPYC, two
 // threads, V2-Lite's shapes; it was 4 when this kernel widened bf16 weights to float32 FMAs). Without them
 // torch's half-precision GEMM is emulated and this kernel is faster at every size (AVX2: 4.5-6x at 4-512
 // rows, bfloat16 and float16 alike), so it takes them all.
