@@ -321,14 +321,16 @@ def experts_dtype(model) -> torch.dtype:
     return torch.float32
 
 
-def warm_up_linears(model: nn.Module, most_rows: int, budget_s: float = 2.0) -> tuple[int, int]:
+def warm_up_linears(model: nn.Module, most_rows: int, budget_s: float = 2.0, most_product: int = 1 << 31) -> tuple[int, int]:
     """Has oneDNN build now the kernel of every half-precision linear shape a step of up to ``most_rows`` rows will
     ask of it, instead of inside the first steps that meet each: it JIT-compiles one per (rows, N, K) the first time
     it sees it (0.5-1 ms each at the built-in model's shapes, more at larger ones; rows as :func:`linear` pads them), and
     a server's first steps at each new batch size paid that (vllm_bench.py's first 32-stream round in bf16: 1.09x vLLM,
     the later rounds 1.40-1.48x). float32 (MKL) builds nothing, and neither do the rows afd's kernels take. One call per
     distinct weight shape and padded row count, on the model's own weights, fewest rows first, until ``budget_s``
-    is spent (a large model's big row counts cost GEMMs of seconds). Returns (calls, the most rows warmed)."""
+    is spent, and none of more than ``most_product`` rows x N x K (a large model's LM head at a prefill's rows would
+    be a GEMM of seconds and gigabytes; its steps ask it for one row a sequence). Returns (calls, the most rows
+    warmed)."""
     import logging
     import time
 
@@ -347,12 +349,12 @@ def warm_up_linears(model: nn.Module, most_rows: int, budget_s: float = 2.0) -> 
     calls, reached, deadline = 0, 0, time.monotonic() + budget_s
     with torch.no_grad():
         for rows in buckets:
-            if time.monotonic() >= deadline:
+            took = [(k, w) for ((n, k), dtype), w in weights.items() if first_native[dtype] < rows and rows * n * k <= most_product]
+            if not took or time.monotonic() >= deadline:
                 break
-            for ((_, k), dtype), w in weights.items():
-                if rows > first_native[dtype]:
-                    linear(torch.zeros(rows, k, dtype=dtype), w)
-                    calls += 1
+            for k, w in took:
+                linear(torch.zeros(rows, k, dtype=w.dtype), w)
+                calls += 1
             reached = rows
     logging.getLogger(__name__).info("built oneDNN's kernels of %d linear shapes x row counts, up to %d of %d rows, in %.2f s",
                                      calls, reached, most_rows, time.monotonic() - deadline + budget_s)

@@ -163,8 +163,8 @@ def test_half_precision_rows_past_the_tiles_are_padded_and_equal_f_linear(monkey
 
 def test_warm_up_builds_every_half_precision_shape_a_step_will_ask_for(monkeypatch):
     """``warm_up_linears`` calls each distinct bf16 weight shape once per padded row count that a step of up to R rows
-    gives oneDNN (past the rows afd's kernels take), fewest rows first, and stops at its time budget; float32 builds
-    nothing."""
+    gives oneDNN (past the rows afd's kernels take), fewest rows first, none past the largest product allowed, and
+    stops at its time budget; float32 builds nothing."""
     import types
 
     from afd.models import layers
@@ -182,6 +182,9 @@ def test_warm_up_builds_every_half_precision_shape_a_step_will_ask_for(monkeypat
     assert set(seen) == want and len(seen) == len(want) == calls  # each once, both shapes, none of the native rows
     assert reached == max(r for r, _ in want) >= 100
     assert [r for r, _ in seen] == sorted(r for r, _ in seen)
+    seen.clear()  # 48 x 64 past 40 rows, 32 x 48 past 80, are more than the largest product allowed
+    calls, reached = layers.warm_up_linears(model, 100, most_product=40 * 48 * 64 + 1)
+    assert set(seen) == {(r, s) for r, s in want if r * s[0] * s[1] <= 40 * 48 * 64 + 1} and reached == 80 == max(r for r, _ in seen)
     seen.clear()
     assert layers.warm_up_linears(model, 100, budget_s=0.0) == (0, 0) and not seen
     assert layers.warm_up_linears(model.float(), 100) == (0, 0) and not seen
