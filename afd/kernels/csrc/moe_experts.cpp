@@ -113,22 +113,22 @@ bool experts_take_tiles(at::ScalarType dtype, int64_t most, int64_t hidden, int6
   return dtype == at::kBFloat16 && amx_bf16_usable() && most > 0 && hidden % 32 == 0 && inter % 32 == 0 && hidden >= 32 && inter >= 32;
 }
 
-// Whether bf16 experts of more rows than small_linear's own limit take the decode path on a CPU with bf16 dot products
-// (small_linear.cpp's tile_dot; no AMX-BF16 there): up to kDotExpertRows rows an expert, past which the ATen loop's
-// oneDNN GEMMs are faster.
-constexpr int64_t kDotExpertRows = 32;
 // The most bytes of float32 rows the register tiles' side-by-side run keeps (one per held (token, slot)); past them
 // (V3's 7,168-wide rows at hundreds of tokens) one expert at a time, split over the threads.
 constexpr int64_t kExactRowBytes = int64_t{16} << 20;
-bool experts_take_dot(at::ScalarType dtype, int64_t most) {
-  return dtype == at::kBFloat16 && small_linear_bf16_dot() && !amx_bf16_usable() && most > 0 && most <= kDotExpertRows;
-}
 
 }  // namespace
 
-int64_t moe_experts_bf16_dot_rows() { return small_linear_bf16_dot() && !amx_bf16_usable() ? kDotExpertRows : 0; }
+// The most rows an expert of bf16 experts takes the decode path with on a CPU with bf16 dot products and no AMX-BF16
+// (small_linear.cpp's tile_dot), past small_linear's own limit: 32, past which the ATen loop's oneDNN GEMMs are
+// faster; 0 elsewhere.
+int64_t moe_experts_bf16_dot_rows() { return small_linear_bf16_dot() && !amx_bf16_usable() ? 32 : 0; }
 
 namespace {
+
+bool experts_take_dot(at::ScalarType dtype, int64_t most) {
+  return dtype == at::kBFloat16 && most > 0 && most <= moe_experts_bf16_dot_rows();
+}
 
 // The decode path (see the top): out [T, H] float32 += weight * expert(x row) for every held (token, slot) row. With
 // `tiles` (bfloat16 on AMX-BF16, amx.cpp; H and I multiples of 32) the GEMMs take bf16 rows and return float32: x's
@@ -264,9 +264,8 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
     // float32 and added into its token's row at the end in expert order, as one thread adds them: the same bits
     // whatever the thread count
     std::vector<float> exact(count[num_experts] * hidden);
-    std::vector<int64_t> at_row(x.size(0) * k, -1), expert_of(count[num_experts]);  // (token, slot) -> its row in exact
-    for (int64_t e = 0; e < num_experts; ++e)
-      for (int64_t r = count[e]; r < count[e + 1]; ++r) at_row[rows[r]] = r, expert_of[r] = e;
+    std::vector<int64_t> at_row(x.size(0) * k, -1);  // (token, slot) -> its row in exact; rows are in expert order
+    for (int64_t r = 0; r < count[num_experts]; ++r) at_row[rows[r]] = r;
     side_by_side([&](Scratch& s, const std::pair<int64_t, int64_t>& c) {
       run_chunk(s, nullptr, c.first, c.second, rows_of(c), nullptr, exact.data());
     });
@@ -277,7 +276,7 @@ at::Tensor experts_in_place(const at::Tensor& x, const at::Tensor& weights, cons
         held.clear();
         for (int64_t j = 0; j < k; ++j)
           if (at_row[t * k + j] >= 0) held.push_back(at_row[t * k + j]);
-        std::sort(held.begin(), held.end(), [&](int64_t a, int64_t b) { return expert_of[a] < expert_of[b]; });
+        std::sort(held.begin(), held.end());  // expert order
         float* o = os + t * hidden;
         for (const int64_t r : held) {
           const float w = ws[rows[r]];

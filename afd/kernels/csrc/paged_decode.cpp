@@ -109,13 +109,43 @@ inline void score_tile(const float* const* qs, const T* const* ks, const T* cons
     for (int j = 0; j < kScoreRows; ++j) out[h][j] = afd_simd::reduce_add(acc[h][j]);
 }
 
-template <typename T>
-void score_block_simd(const float* q, int64_t g, int64_t dk, const T* const* keys, int64_t n, float scale, float* scores,
+#if defined(__AVX512BF16__) && defined(AFD_SIMD_AVX512)
+#define AFD_BF16_DOT 1
+// A bfloat16 query against bfloat16 keys on a CPU with bf16 dot products: 32 channels per vdpbf16ps instead of two
+// widenings and two FMAs per 16. Query and keys are bf16 values either way and their products exact in float32, so
+// only the order of each sum differs from the float32 tile's. The same tile shape and prefetch.
+inline void score_tile(const c10::BFloat16* const* qs, const c10::BFloat16* const* ks, const c10::BFloat16* const* ahead,
+                       int64_t dk, float out[4][kScoreRows]) {
+  __m512 acc[4][kScoreRows];
+  for (int h = 0; h < 4; ++h)
+    for (int j = 0; j < kScoreRows; ++j) acc[h][j] = _mm512_setzero_ps();
+  const auto line = [&](int64_t i, __mmask32 mask) {
+    __m512bh kv[kScoreRows];
+    for (int j = 0; j < kScoreRows; ++j) kv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, ks[j] + i);
+    for (int h = 0; h < 4; ++h) {
+      const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(mask, qs[h] + i);
+      for (int j = 0; j < kScoreRows; ++j) acc[h][j] = _mm512_dpbf16_ps(acc[h][j], qv, kv[j]);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 32 <= dk; i += 32) {
+    for (int j = 0; j < kScoreRows; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead[j] + i), _MM_HINT_T0);
+    line(i, ~__mmask32{0});
+  }
+  if (i < dk) line(i, static_cast<__mmask32>((uint64_t{1} << (dk - i)) - 1));
+  for (int h = 0; h < 4; ++h)
+    for (int j = 0; j < kScoreRows; ++j) out[h][j] = _mm512_reduce_add_ps(acc[h][j]);
+}
+#endif
+
+// Q: the queries' type, float32 (widened once), or bfloat16 as they came where score_tile takes them on vdpbf16ps.
+template <typename T, typename Q>
+void score_block_simd(const Q* q, int64_t g, int64_t dk, const T* const* keys, int64_t n, float scale, float* scores,
                       int64_t ld) {
   float tile[4][kScoreRows];
   for (int64_t h0 = 0; h0 < g; h0 += 4) {
     const int64_t nh = std::min<int64_t>(4, g - h0);
-    const float* qs[4];
+    const Q* qs[4];
     for (int64_t h = 0; h < 4; ++h) qs[h] = q + (h0 + std::min(h, nh - 1)) * dk;
     for (int64_t j0 = 0; j0 < n; j0 += kScoreRows) {
       const int64_t nj = std::min<int64_t>(kScoreRows, n - j0);
@@ -176,58 +206,6 @@ AFD_SIMD_TYPES(c10::Half)
 #undef AFD_SIMD_TYPES
 #endif
 
-#if defined(__AVX512BF16__) && defined(AFD_SIMD_AVX512)
-#define AFD_BF16_DOT 1
-// A bfloat16 query against bfloat16 keys on a CPU with bf16 dot products: 32 channels per vdpbf16ps instead of two
-// widenings and two FMAs per 16. Query and keys are bf16 values either way and their products exact in float32, so
-// only the order of each sum differs from score_tile's. The same tile shape and prefetch as score_tile.
-inline void score_tile_dot(const c10::BFloat16* const* qs, const c10::BFloat16* const* ks, const c10::BFloat16* const* ahead,
-                           int64_t dk, float out[4][kScoreRows]) {
-  __m512 acc[4][kScoreRows];
-  for (int h = 0; h < 4; ++h)
-    for (int j = 0; j < kScoreRows; ++j) acc[h][j] = _mm512_setzero_ps();
-  const auto line = [&](int64_t i, __mmask32 mask) {
-    __m512bh kv[kScoreRows];
-    for (int j = 0; j < kScoreRows; ++j) kv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, ks[j] + i);
-    for (int h = 0; h < 4; ++h) {
-      const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(mask, qs[h] + i);
-      for (int j = 0; j < kScoreRows; ++j) acc[h][j] = _mm512_dpbf16_ps(acc[h][j], qv, kv[j]);
-    }
-  };
-  int64_t i = 0;
-  for (; i + 32 <= dk; i += 32) {
-    for (int j = 0; j < kScoreRows; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead[j] + i), _MM_HINT_T0);
-    line(i, ~__mmask32{0});
-  }
-  if (i < dk) line(i, static_cast<__mmask32>((uint64_t{1} << (dk - i)) - 1));
-  for (int h = 0; h < 4; ++h)
-    for (int j = 0; j < kScoreRows; ++j) out[h][j] = _mm512_reduce_add_ps(acc[h][j]);
-}
-
-// score_block_simd with the query in bfloat16, as it came (q [g, dk]).
-void score_block_dot(const c10::BFloat16* q, int64_t g, int64_t dk, const c10::BFloat16* const* keys, int64_t n, float scale,
-                     float* scores, int64_t ld) {
-  float tile[4][kScoreRows];
-  for (int64_t h0 = 0; h0 < g; h0 += 4) {
-    const int64_t nh = std::min<int64_t>(4, g - h0);
-    const c10::BFloat16* qs[4];
-    for (int64_t h = 0; h < 4; ++h) qs[h] = q + (h0 + std::min(h, nh - 1)) * dk;
-    for (int64_t j0 = 0; j0 < n; j0 += kScoreRows) {
-      const int64_t nj = std::min<int64_t>(kScoreRows, n - j0);
-      const c10::BFloat16* ks[kScoreRows];
-      const c10::BFloat16* ahead[kScoreRows];
-      for (int64_t j = 0; j < kScoreRows; ++j) {
-        ks[j] = keys[j0 + std::min(j, nj - 1)];
-        const c10::BFloat16* next = keys[std::min(j0 + kScoreRows + j, n + kScoreRows - 1)];
-        ahead[j] = next != nullptr ? next : ks[j];
-      }
-      score_tile_dot(qs, ks, ahead, dk, tile);
-      for (int64_t h = 0; h < nh; ++h)
-        for (int64_t j = 0; j < nj; ++j) scores[(h0 + h) * ld + j0 + j] = tile[h][j] * scale;
-    }
-  }
-}
-#endif
 
 inline void scale_inplace(float* __restrict y, float a, int64_t n) {
 #pragma omp simd
@@ -246,7 +224,13 @@ void decode_one(const T* q,             // [G, Dk]: the query heads sharing key 
                 const T** rows,         // [block_size + kAheadRows] scratch: the block's key rows, then the next block's first
                 const T** values)       // [block_size] scratch: the block's value rows
 {
-  for (int64_t i = 0; i < g * dk; ++i) qf[i] = static_cast<float>(q[i]);
+#if defined(AFD_BF16_DOT)
+  constexpr bool kDot = std::is_same_v<T, c10::BFloat16>;  // bf16 queries scored as they came (score_tile on vdpbf16ps)
+#else
+  constexpr bool kDot = false;
+#endif
+  if constexpr (!kDot)
+    for (int64_t i = 0; i < g * dk; ++i) qf[i] = static_cast<float>(q[i]);
   std::vector<float> m(g, -std::numeric_limits<float>::infinity()), l(g, 0.f);
   std::fill(acc, acc + g * dv, 0.f);
   for (int64_t start = first / block_size * block_size; start < length; start += block_size) {
@@ -261,8 +245,8 @@ void decode_one(const T* q,             // [G, Dk]: the query heads sharing key 
     for (int64_t a = 0; a < kAheadRows; ++a)
       rows[n + a] = a < block_size && next + a < length ? k_cache + ((next_base + a) * hk + kh) * dk : nullptr;
 #if defined(AFD_BF16_DOT)
-    if constexpr (std::is_same_v<T, c10::BFloat16>)
-      score_block_dot(q, g, dk, rows, n, scale, scores, block_size);
+    if constexpr (kDot)
+      score_block_simd<T>(q, g, dk, rows, n, scale, scores, block_size);
     else
 #endif
       score_block<T>(qf, g, dk, rows, n, scale, scores, block_size);
