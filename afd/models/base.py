@@ -261,7 +261,7 @@ class MoEModel(nn.Module):
         """
         block = self.model.layers[layer]
         self._check_loaded(block.input_layernorm.weight, "attention")
-        cos, sin = self.rotary.cos_sin(meta.positions)
+        cos, sin = self.rotary.cos_sin_of(meta)
         attn = block.self_attn(block.input_layernorm(hidden), self.rotary, cos, sin, kv, meta)
         residual = hidden + attn
         return AttentionOutput(residual, block.post_attention_layernorm(residual))

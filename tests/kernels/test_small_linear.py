@@ -116,8 +116,8 @@ def test_prefill_sized_bf16_linears_and_experts_take_the_amx_tiles(monkeypatch):
     """Where AMX-BF16 runs, a 48-row bf16 projection (a prefill's rows of one expert) goes to the native linear, and
     its result is the tiles' float32 product rounded once to bf16."""
     kernels = native_ops()
-    if not _amx_bf16_expected():
-        assert kernels.small_linear_max_bf16_rows < 48 or native_ops().simd == "avx2"
+    if not _amx_bf16_expected():  # oneDNN's past 6 rows with AVX512-BF16; without it the register tiles' up to 63
+        assert kernels.small_linear_max_bf16_rows == (6 if kernels.bf16_dot else 63 if kernels.simd != "none" else 0)
         return
     calls: list[int] = []
     real = kernels.linear
@@ -146,7 +146,8 @@ def test_half_precision_row_counts_reach_onednn_in_few_shapes():
 @pytest.mark.parametrize("rows", [129, 200, 333])
 def test_half_precision_rows_past_the_tiles_are_padded_and_equal_f_linear(monkeypatch, dtype, rows):
     """``linear`` sends every half-precision row count to the native op; past its tiles the op calls torch with the
-    rows padded and returns the input's rows, as close to float64 as F.linear of them alone."""
+    rows padded (or, without half-precision dot products, widens W: the test above) and returns the input's rows, as
+    close to float64 as F.linear of them alone."""
     kernels = native_ops()
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 64, generator=gen).to(dtype)
@@ -172,7 +173,8 @@ def test_warm_up_builds_every_half_precision_shape_a_step_will_ask_for(monkeypat
     real = native_ops()
     assert layers.warm_up_linears(torch.nn.Linear(64, 48).to(torch.bfloat16), real.small_linear_max_bf16_rows) == (0, 0)
     # the native rows as on an AVX512-BF16 CPU without AMX (6), whatever this CPU takes (AVX2: every bf16 row count)
-    kernels = types.SimpleNamespace(small_linear_max_bf16_rows=6, small_linear_max_half_rows=6, linear_rows_bucket=real.linear_rows_bucket)
+    kernels = types.SimpleNamespace(small_linear_max_bf16_rows=6, small_linear_max_half_rows=6, small_linear_widen_rows=0,
+                                    linear_rows_bucket=real.linear_rows_bucket)
     monkeypatch.setattr(layers, "native_ops", lambda: kernels)
     model = torch.nn.Sequential(Linear(64, 48, bias=False), Linear(64, 48, bias=False), Linear(48, 32, bias=False)).to(torch.bfloat16)
     seen = []
@@ -188,3 +190,35 @@ def test_warm_up_builds_every_half_precision_shape_a_step_will_ask_for(monkeypat
     seen.clear()
     assert layers.warm_up_linears(model, 100, budget_s=0.0) == (0, 0) and not seen
     assert layers.warm_up_linears(model.float(), 100) == (0, 0) and not seen
+    kernels.small_linear_widen_rows = 64  # no half-precision dot products: past the tiles W is widened, not oneDNN's
+    assert layers.warm_up_linears(model, 100) == (0, 0) and not seen
+
+
+def _mm_calls(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.name == "aten::mm" for e in prof.events())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, n, k", [(63, 96, 256), (64, 96, 256), (100, 33, 70), (512, 200, 1408), (64, 8200, 2048)])
+def test_half_precision_rows_from_64_widen_w_for_the_float32_blas_without_half_dot_products(dtype, rows, n, k):
+    """On a CPU without half-precision dot products (AVX2, or AVX-512 without AVX512-BF16) torch's bf16/fp16 GEMM is
+    emulated: from 64 rows ``linear`` widens W to float32 (in blocks of at most 64 MB: 8,200 x 2,048 takes two) and
+    multiplies with the float32 BLAS; fewer rows stay on the register tiles. Either way the result is the float32 sum
+    of exact products rounded once to the input's dtype."""
+    kernels = native_ops()
+    widens = support.expected_simd() in ("avx512", "avx2") and "avx512_bf16" not in support.cpu_flags()
+    assert kernels.small_linear_widen_rows == (64 if widens else 0)
+    gen = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / 8).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    got = linear(x, w, b)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    exact = x.double() @ w.double().t() + b.double()
+    fp32_sums = 4 * k * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().t() + b.double().abs())
+    assert ((got.double() - exact).abs() <= fp32_sums + torch.finfo(dtype).eps * (exact.abs() + fp32_sums)).all()
+    if widens:
+        blocks = -(-n // ((64 << 20) // (4 * k)))  # W's rows in blocks of at most 64 MB of float32
+        assert _mm_calls(lambda: linear(x, w, b)) == (blocks if rows >= 64 else 0)

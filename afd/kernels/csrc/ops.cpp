@@ -57,13 +57,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass, the Hugging Face dtype rules (norm_rope.cpp)");
   m.def("rotary", &rotary, "rotary embedding in one pass, interleaved or halves (norm_rope.cpp)");
   m.def("linear", &small_linear, "y = x W^T + b; a few rows of x read W once in place (small_linear.cpp), bf16 up to 128 rows on AMX-BF16 tiles "
-        "(amx.cpp), more go to at::linear (bf16/fp16 rows padded to linear_rows_bucket)",
+        "(amx.cpp); without half-precision dot products, bf16/fp16 from 64 rows widen W to float32 for the float32 BLAS "
+        "(widened_linear.cpp); other rows go to at::linear (bf16/fp16 rows padded to linear_rows_bucket)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
   m.def("linear_rows_bucket", &linear_rows_bucket, "the rows `linear` gives at::linear for this many bf16/fp16 rows it does "
         "not compute itself: padded so that oneDNN builds a kernel for few shapes (small_linear.cpp)");
   m.attr("small_linear_vectorized") = pybind11::bool_(small_linear_vectorized());
   m.attr("small_linear_max_rows") = pybind11::int_(small_linear_max_rows());
   m.attr("small_linear_max_half_rows") = pybind11::int_(small_linear_max_half_rows());
+  m.attr("small_linear_widen_rows") = pybind11::int_(small_linear_widen_rows());  // 0: never
   // the most bfloat16 rows `linear` computes itself: the register tiles', or AMX-BF16's 128 where the OS grants them
   m.attr("small_linear_max_bf16_rows") = pybind11::int_(small_linear_max_bf16_rows());
   m.def("bf16_matmul_amx", &bf16_matmul_amx, "bf16 x [M, K] . W [N, K]^T -> float32 on AMX-BF16 tiles, W read in place "

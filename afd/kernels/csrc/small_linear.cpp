@@ -41,7 +41,8 @@ namespace {
 // 6 rows: with vdpbf16ps (tile_dot) 1.1-1.25x oneDNN at 6 rows, 0.78-1.06x at 8, 0.55-0.85x at 12-16 (AMD EPYC, two
 // threads, V2-Lite's shapes; it was 4 when this kernel widened bf16 weights to float32 FMAs). Without them
 // torch's half-precision GEMM is emulated and this kernel is faster at every size (AVX2: 4.5-6x at 4-512
-// rows, bfloat16 and float16 alike), so it takes them all.
+// rows, bfloat16 and float16 alike), but from 64 rows W widened to float32 once for the float32 BLAS is faster
+// still (widened_linear.cpp), so it takes up to 63.
 #if defined(__AVX512F__)
 constexpr int64_t kMaxRows = 16;
 #else
@@ -50,7 +51,8 @@ constexpr int64_t kMaxRows = 32;
 #if defined(__AVX512BF16__)
 constexpr int64_t kMaxHalfRows = 6;
 #else
-constexpr int64_t kMaxHalfRows = std::numeric_limits<int64_t>::max();
+constexpr int64_t kWidenRows = 64;
+constexpr int64_t kMaxHalfRows = kWidenRows - 1;
 #endif
 constexpr int64_t kBucketExactRows = 16;  // linear_rows_bucket keeps up to this many rows as they are
 constexpr int64_t kPrefetchRows = 8;  // 4-16 measured alike; none at all: 1.1-1.4x MKL at 8 rows, not 1.6-1.9x
@@ -324,6 +326,19 @@ int64_t small_linear_max_rows() { return kMaxRows; }
 
 int64_t small_linear_max_half_rows() { return kMaxHalfRows; }
 
+int64_t small_linear_widen_rows() {
+#if defined(AFD_SIMD) && !defined(__AVX512BF16__)
+  return kWidenRows;
+#else
+  return 0;
+#endif
+}
+
+bool small_linear_widens(at::ScalarType dtype, int64_t rows) {
+  const int64_t from = small_linear_widen_rows();
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && from > 0 && rows >= from;
+}
+
 int64_t small_linear_max_bf16_rows() {
   return std::max(small_linear_takes(at::kBFloat16, 1) ? kMaxHalfRows : 0, amx_bf16_usable() ? amx_bf16_max_rows() : 0);
 }
@@ -398,7 +413,10 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   const bool applies = x.device().is_cpu() && x.dim() == 2 && weight.dim() == 2 && small_linear_takes(dtype, x.size(0)) &&
                        x.size(1) == weight.size(1) && weight.scalar_type() == dtype && weight.is_contiguous() &&
                        (!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0)));
-  if (!applies) return bucketed_linear(x, weight, bias);
+  if (!applies) {
+    if (x.device().is_cpu() && x.dim() == 2 && small_linear_widens(dtype, x.size(0))) return widened_linear(x, weight, bias);
+    return bucketed_linear(x, weight, bias);
+  }
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
   const int64_t rows = x.size(0), k_len = x.size(1), n_len = weight.size(0);
   at::Tensor out = at::empty({rows, n_len}, x.options().dtype(at::kFloat));

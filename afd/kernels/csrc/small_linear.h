@@ -14,6 +14,15 @@ bool small_linear_takes(at::ScalarType dtype, int64_t rows);
 // that small_linear_takes. False where it cannot (no register tiles built, another layout or dtype).
 bool small_gemm(const float* x, int64_t rows, int64_t k_len, const at::Tensor& weight, float* out);
 
+// Whether small_linear hands `rows` rows of `dtype` to widened_linear: half precision from 64 rows, in a build with the
+// register tiles and without half-precision dot products (no AVX512-BF16), where torch's own GEMM is emulated.
+bool small_linear_widens(at::ScalarType dtype, int64_t rows);
+int64_t small_linear_widen_rows();  // the fewest half-precision rows it widens (0: it never does)
+
+// widened_linear.cpp: y = x W^T + b for half-precision x and W: W widened to float32 a block at a time, the float32
+// BLAS's product, rounded once to x's dtype.
+at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
 // The rows at::linear is called with for `rows` half-precision rows (small_linear pads them): `rows` up to 16, else
 // rounded up to a multiple of a quarter of its power of two (at most 25 % more; four sizes an octave), so that
 // oneDNN's per-shape kernels are built for few shapes and then found in its cache.
