@@ -24,7 +24,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``; on CPU a few rows (a decode step's) take afd's kernel, which streams the weight once in
     place instead of packing it per call (afd/kernels/csrc/small_linear.cpp; ``kernels.small_linear_max_rows``),
     and bfloat16 up to 128 rows AMX-BF16's tiles where the CPU has them (amx.cpp; ``small_linear_max_bf16_rows``);
-    where it has no half-precision dot products, half-precision rows from 64 widen W to float32 for the float32 BLAS
+    where it has no half-precision dot products, half-precision rows from 64 (AVX2: 128) widen W to float32 for the float32 BLAS
     (widened_linear.cpp; ``small_linear_widen_rows``).
     Half-precision rows past those go to torch padded to ``kernels.linear_rows_bucket`` rows: oneDNN builds a kernel
     for every new shape, which costs more than the product at a serving step's ever-new row counts.

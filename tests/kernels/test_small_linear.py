@@ -117,7 +117,8 @@ def test_prefill_sized_bf16_linears_and_experts_take_the_amx_tiles(monkeypatch):
     its result is the tiles' float32 product rounded once to bf16."""
     kernels = native_ops()
     if not _amx_bf16_expected():  # oneDNN's past 6 rows with AVX512-BF16; without it the register tiles' up to 63
-        assert kernels.small_linear_max_bf16_rows == (6 if kernels.bf16_dot else 63 if kernels.simd != "none" else 0)
+        widen = {"avx512": 64, "avx2": 128}.get(kernels.simd, 1)
+        assert kernels.small_linear_max_bf16_rows == (6 if kernels.bf16_dot else widen - 1)
         return
     calls: list[int] = []
     real = kernels.linear
@@ -201,15 +202,16 @@ def _mm_calls(fn) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows, n, k", [(63, 96, 256), (64, 96, 256), (100, 33, 70), (512, 200, 1408), (64, 8200, 2048)])
-def test_half_precision_rows_from_64_widen_w_for_the_float32_blas_without_half_dot_products(dtype, rows, n, k):
+@pytest.mark.parametrize("rows, n, k", [(63, 96, 256), (64, 96, 256), (100, 33, 70), (127, 40, 64), (128, 40, 64), (512, 200, 1408),
+                                         (128, 8200, 2048)])
+def test_half_precision_rows_past_the_tiles_widen_w_for_the_float32_blas_without_half_dot_products(dtype, rows, n, k):
     """On a CPU without half-precision dot products (AVX2, or AVX-512 without AVX512-BF16) torch's bf16/fp16 GEMM is
-    emulated: from 64 rows ``linear`` widens W to float32 (in blocks of at most 64 MB: 8,200 x 2,048 takes two) and
-    multiplies with the float32 BLAS; fewer rows stay on the register tiles. Either way the result is the float32 sum
-    of exact products rounded once to the input's dtype."""
+    emulated: from 64 rows (AVX-512; 128 with AVX2) ``linear`` widens W to float32 (in blocks of at most 64 MB: 8,200 x
+    2,048 takes two) and multiplies with the float32 BLAS; fewer rows stay on the register tiles. Either way the result
+    is the float32 sum of exact products rounded once to the input's dtype."""
     kernels = native_ops()
-    widens = support.expected_simd() in ("avx512", "avx2") and "avx512_bf16" not in support.cpu_flags()
-    assert kernels.small_linear_widen_rows == (64 if widens else 0)
+    widens = kernels.simd in ("avx512", "avx2") and not kernels.bf16_dot  # the build's (its flags: the tests above)
+    assert kernels.small_linear_widen_rows == ({"avx512": 64, "avx2": 128}[kernels.simd] if widens else 0)
     gen = torch.Generator().manual_seed(rows + n)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) / 8).to(dtype)
@@ -221,4 +223,4 @@ def test_half_precision_rows_from_64_widen_w_for_the_float32_blas_without_half_d
     assert ((got.double() - exact).abs() <= fp32_sums + torch.finfo(dtype).eps * (exact.abs() + fp32_sums)).all()
     if widens:
         blocks = -(-n // ((64 << 20) // (4 * k)))  # W's rows in blocks of at most 64 MB of float32
-        assert _mm_calls(lambda: linear(x, w, b)) == (blocks if rows >= 64 else 0)
+        assert _mm_calls(lambda: linear(x, w, b)) == (blocks if rows >= kernels.small_linear_widen_rows else 0)

@@ -57,7 +57,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass, the Hugging Face dtype rules (norm_rope.cpp)");
   m.def("rotary", &rotary, "rotary embedding in one pass, interleaved or halves (norm_rope.cpp)");
   m.def("linear", &small_linear, "y = x W^T + b; a few rows of x read W once in place (small_linear.cpp), bf16 up to 128 rows on AMX-BF16 tiles "
-        "(amx.cpp); without half-precision dot products, bf16/fp16 from 64 rows widen W to float32 for the float32 BLAS "
+        "(amx.cpp); without half-precision dot products, bf16/fp16 from 64 rows (128 with AVX2) widen W to float32 for the float32 BLAS "
         "(widened_linear.cpp); other rows go to at::linear (bf16/fp16 rows padded to linear_rows_bucket)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
   m.def("linear_rows_bucket", &linear_rows_bucket, "the rows `linear` gives at::linear for this many bf16/fp16 rows it does "

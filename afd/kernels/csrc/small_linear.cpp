@@ -41,8 +41,9 @@ namespace {
 // 6 rows: with vdpbf16ps (tile_dot) 1.1-1.25x oneDNN at 6 rows, 0.78-1.06x at 8, 0.55-0.85x at 12-16 (AMD EPYC, two
 // threads, V2-Lite's shapes; it was 4 when this kernel widened bf16 weights to float32 FMAs). Without them
 // torch's half-precision GEMM is emulated and this kernel is faster at every size (AVX2: 4.5-6x at 4-512
-// rows, bfloat16 and float16 alike), but from 64 rows W widened to float32 once for the float32 BLAS is faster
-// still (widened_linear.cpp), so it takes up to 63.
+// rows, bfloat16 and float16 alike), but from 64 rows with AVX-512 (128 with AVX2, whose float32 BLAS is half as
+// wide) W widened to float32 once for the float32 BLAS is faster still (widened_linear.cpp), so it takes up to 63
+// (127).
 #if defined(__AVX512F__)
 constexpr int64_t kMaxRows = 16;
 #else
@@ -50,8 +51,11 @@ constexpr int64_t kMaxRows = 32;
 #endif
 #if defined(__AVX512BF16__)
 constexpr int64_t kMaxHalfRows = 6;
-#else
+#elif defined(__AVX512F__)
 constexpr int64_t kWidenRows = 64;
+constexpr int64_t kMaxHalfRows = kWidenRows - 1;
+#else
+constexpr int64_t kWidenRows = 128;
 constexpr int64_t kMaxHalfRows = kWidenRows - 1;
 #endif
 constexpr int64_t kBucketExactRows = 16;  // linear_rows_bucket keeps up to this many rows as they are

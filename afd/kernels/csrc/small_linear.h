@@ -14,7 +14,7 @@ bool small_linear_takes(at::ScalarType dtype, int64_t rows);
 // that small_linear_takes. False where it cannot (no register tiles built, another layout or dtype).
 bool small_gemm(const float* x, int64_t rows, int64_t k_len, const at::Tensor& weight, float* out);
 
-// Whether small_linear hands `rows` rows of `dtype` to widened_linear: half precision from 64 rows, in a build with the
+// Whether small_linear hands `rows` rows of `dtype` to widened_linear: half precision from 64 rows (AVX-512; 128 with AVX2), in a build with the
 // register tiles and without half-precision dot products (no AVX512-BF16), where torch's own GEMM is emulated.
 bool small_linear_widens(at::ScalarType dtype, int64_t rows);
 int64_t small_linear_widen_rows();  // the fewest half-precision rows it widens (0: it never does)

@@ -6,7 +6,8 @@
 // Widening W once per call costs a read and a write of it; MKL's float32 GEMM then runs at 212-257 GFLOP/s: measured
 // against the tiles at V2-Lite's 2048 -> 2816 and 1408 -> 2048 (2 threads, median of 5): 0.45-0.65x at 8-16 rows,
 // 0.7-0.9x at 32, 1.1-1.4x at 64, 1.45-1.55x at 128, 2.4-3.3x at 512. So small_linear hands this the rows from 64
-// (kWidenRows). Each float32 product of bf16 or fp16 values is exact, as in the tiles; only the order of the sums
+// (kWidenRows). The AVX2 build on the same VM (MKL, oneDNN and ATen held to AVX2): 0.7-0.9x the tiles at 64 rows,
+// 0.9-1.4x at 128, 1.2-1.5x at 256, 1.5-1.9x at 512: there from 128. Each float32 product of bf16 or fp16 values is exact, as in the tiles; only the order of the sums
 // differs. The float32 copy of W is at most kWidenBytes at a time (a V3-sized dense MLP's would be a gigabyte), each
 // block multiplied straight into its columns of the output (ldc = N).
 #include <ATen/ATen.h>
