@@ -257,3 +257,40 @@ bool bf16_gemm_amx(const c10::BFloat16* x, int64_t rows, int64_t k_len, const c1
   return false;
 #endif
 }
+
+namespace {
+
+// x [M, K] . W [N, K]^T in float32 on the AMX-BF16 tiles, both bfloat16 on the CPU, W contiguous and read in place;
+// an undefined tensor where the tiles do not take the call.
+at::Tensor amx_product(const at::Tensor& x, const at::Tensor& weight) {
+  if (!(x.device().is_cpu() && x.dim() == 2 && weight.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
+        weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && x.size(1) == weight.size(1)))
+    return at::Tensor();
+  if (x.size(0) > amx_bf16_max_rows()) return at::Tensor();  // past 128 rows oneDNN's blocked kernels are as fast
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options().dtype(at::kFloat));
+  const bool taken = bf16_gemm_amx(xc.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), weight.data_ptr<c10::BFloat16>(),
+                                   weight.size(0), out.data_ptr<float>());
+  return taken ? out : at::Tensor();
+}
+
+}  // namespace
+
+// bfloat16 past the register tiles' rows: oneDNN's bf16 linear (AMX here too) reorders W into its blocked layout
+// every call, which at prefill's per-expert sizes costs more than the product.
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  if (bias.has_value() && !(bias->dim() == 1 && bias->size(0) == weight.size(0))) return at::Tensor();
+  at::Tensor out = amx_product(x, weight);
+  if (!out.defined()) return out;
+  if (bias.has_value()) out.add_(bias->to(at::kFloat));
+  return out.to(at::kBFloat16);
+}
+
+at::Tensor bf16_matmul_amx(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(amx_bf16_usable(), "bf16_matmul_amx: no AMX-BF16 tiles here (not built for this CPU, or the OS refuses their state)");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+                  x.size(1) == weight.size(1), "bf16_matmul_amx: x [M, K] and weight [N, K], both bfloat16");
+  const at::Tensor out = amx_product(x, weight.contiguous());
+  TORCH_CHECK(out.defined(), "bf16_matmul_amx: the tiles take 1-", amx_bf16_max_rows(), " rows, K a multiple of 32 and N >= 32");
+  return out;
+}

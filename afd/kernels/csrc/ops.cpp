@@ -53,7 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("paged_decode_vectorized") = pybind11::bool_(paged_decode_vectorized());
   m.def("mla_decode", &mla_decode, "DeepSeek MLA's absorbed decode in one call: W_UK into the query, attention over the cached "
         "latents, W_UV after it, kv_b_proj's weight read in place (mla_decode.cpp)");
-  m.def("dsa_index_topk", &dsa_index_topk, "DeepSeek Sparse Attention's indexer at decode, read in place (paged_decode.cpp)");
+  m.def("dsa_index_topk", &dsa_index_topk, "DeepSeek Sparse Attention's indexer at decode, read in place (dsa_index.cpp)");
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass, the Hugging Face dtype rules (norm_rope.cpp)");
   m.def("rotary", &rotary, "rotary embedding in one pass, interleaved or halves (norm_rope.cpp)");
   m.def("linear", &small_linear, "y = x W^T + b; a few rows of x read W once in place (small_linear.cpp), bf16 up to 128 rows on AMX-BF16 tiles "

@@ -349,30 +349,6 @@ int64_t small_linear_max_bf16_rows() {
 
 namespace {
 
-// x [M, K] . W [N, K]^T in float32 on AMX-BF16 (amx.cpp), both bfloat16 on the CPU, W contiguous and read in place;
-// an undefined tensor where the tiles do not take the call.
-at::Tensor amx_product(const at::Tensor& x, const at::Tensor& weight) {
-  if (!(x.device().is_cpu() && x.dim() == 2 && weight.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
-        weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && x.size(1) == weight.size(1)))
-    return at::Tensor();
-  if (x.size(0) > amx_bf16_max_rows()) return at::Tensor();  // past 128 rows oneDNN's blocked kernels are as fast
-  const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options().dtype(at::kFloat));
-  const bool taken = bf16_gemm_amx(xc.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), weight.data_ptr<c10::BFloat16>(),
-                                   weight.size(0), out.data_ptr<float>());
-  return taken ? out : at::Tensor();
-}
-
-// bfloat16 past the register tiles' rows: oneDNN's bf16 linear (AMX here too) reorders W into its blocked layout
-// every call, which at prefill's per-expert sizes costs more than the product.
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  if (bias.has_value() && !(bias->dim() == 1 && bias->size(0) == weight.size(0))) return at::Tensor();
-  at::Tensor out = amx_product(x, weight);
-  if (!out.defined()) return out;
-  if (bias.has_value()) out.add_(bias->to(at::kFloat));
-  return out.to(at::kBFloat16);
-}
-
 // at::linear, with half-precision rows padded to linear_rows_bucket's count: torch's bf16/fp16 linear on the CPU is
 // oneDNN's, which builds (JIT-compiles) a kernel for every new shape and caches it; a serving step's row counts (its
 // tokens, each expert's share of them) are new all the time, and the build cost more than the product (one thread,
@@ -396,15 +372,6 @@ int64_t linear_rows_bucket(int64_t rows) {
   if (rows <= kBucketExactRows) return rows;
   const int64_t step = int64_t{1} << (63 - __builtin_clzll(static_cast<uint64_t>(rows)) - 2);  // a quarter of rows' power of two
   return (rows + step - 1) / step * step;
-}
-
-at::Tensor bf16_matmul_amx(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(amx_bf16_usable(), "bf16_matmul_amx: no AMX-BF16 tiles here (not built for this CPU, or the OS refuses their state)");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-                  x.size(1) == weight.size(1), "bf16_matmul_amx: x [M, K] and weight [N, K], both bfloat16");
-  const at::Tensor out = amx_product(x, weight.contiguous());
-  TORCH_CHECK(out.defined(), "bf16_matmul_amx: the tiles take 1-", amx_bf16_max_rows(), " rows, K a multiple of 32 and N >= 32");
-  return out;
 }
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {

@@ -40,4 +40,7 @@ bool amx_bf16_usable();
 int64_t amx_bf16_max_rows();       // the rows small_linear gives the tiles (128)
 int64_t amx_bf16_gemm_max_rows();  // the most rows bf16_gemm_amx takes at once (512: moe_experts' chunks)
 at::Tensor bf16_matmul_amx(const at::Tensor& x, const at::Tensor& weight);  // float32 x W^T on the tiles, or an error
+// bf16 x W^T + b on the tiles, rounded to bf16 once; an undefined tensor where they do not take the call (past
+// amx_bf16_max_rows() rows, the shape, no tiles): small_linear's path past its register tiles
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 bool bf16_gemm_amx(const c10::BFloat16* x, int64_t rows, int64_t k_len, const c10::BFloat16* w, int64_t n_len, float* out);
