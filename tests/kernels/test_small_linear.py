@@ -224,3 +224,5 @@ def test_half_precision_rows_past_the_tiles_widen_w_for_the_float32_blas_without
     if widens:
         blocks = -(-n // ((64 << 20) // (4 * k)))  # W's rows in blocks of at most 64 MB of float32
         assert _mm_calls(lambda: linear(x, w, b)) == (blocks if rows >= kernels.small_linear_widen_rows else 0)
+    with pytest.raises(RuntimeError):  # mixed dtypes are refused as F.linear refuses them, not widened alike
+        linear(x, w.float(), b)
