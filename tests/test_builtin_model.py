@@ -21,7 +21,7 @@ from afd.engine.tokenizer import Tokenizer
 from afd.kvcache import BlockManager, SeqChunk
 from afd.models import load_model
 from afd.testing.parity import compare_greedy, top2_gap
-from tests.support import Capture
+from tests.support import Capture, monolithic_capture
 
 EXCERPT = (Path(__file__).parent / "data" / "heldout_excerpt.txt").read_text().split("\n", 3)[3]
 REPORT = json.loads((BUILTIN_MODEL / "training_report.json").read_text())
@@ -135,3 +135,19 @@ def test_readme_demo_reads_like_a_play():
     words = re.findall(r"[a-z']+", out.lower())
     known = sum(w in vocabulary for w in words) / max(1, len(words))
     assert len(words) >= 60 and known >= 0.6, f"{known:.0%} known words in:\n{out}"
+
+
+def test_rotary_cos_sin_are_computed_once_a_batch_and_read_by_every_layer(model, monkeypatch):
+    """Every layer of a batch rotates by the same positions: the cos/sin are computed once a batch (kept in its
+    layer_state), and the logits are those of computing them in every layer."""
+    from afd.models.layers import RotaryEmbedding
+
+    prompts = [[5, 9, 13, 17, 21, 25, 29], [7, 11, 3]]
+    calls = []
+    real = RotaryEmbedding.cos_sin
+    monkeypatch.setattr(RotaryEmbedding, "cos_sin", lambda self, positions: calls.append(len(positions)) or real(self, positions))
+    _, once = monolithic_capture(model, prompts)
+    assert model.config.num_layers > 1 and calls == [10]
+    monkeypatch.setattr(RotaryEmbedding, "cos_sin_of", lambda self, meta: real(self, meta.positions))
+    _, every_layer = monolithic_capture(model, prompts)
+    assert torch.equal(once, every_layer)

@@ -29,17 +29,14 @@ at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const c
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0)), "widened_linear: bias [N]");
   const c10::NoGradGuard no_grad;  // an inference kernel, as the tiles' paths are (mm's out= form refuses autograd)
   const int64_t rows = x.size(0), k_len = x.size(1), n_len = weight.size(0);
-  const at::Tensor x32 = x.to(at::kFloat).contiguous();
-  const at::Tensor w = weight.contiguous();
+  const at::Tensor x32 = x.to(at::kFloat);
   at::Tensor out = at::empty({rows, n_len}, x.options().dtype(at::kFloat));
   const int64_t block = std::max<int64_t>(1, std::min(n_len, kWidenBytes / std::max<int64_t>(1, k_len * int64_t{sizeof(float)})));
-  for (int64_t n0 = 0; n0 < n_len && rows > 0 && k_len > 0; n0 += block) {
+  for (int64_t n0 = 0; n0 < n_len; n0 += block) {
     const int64_t nb = std::min(block, n_len - n0);
-    const at::Tensor wb = w.narrow(0, n0, nb).to(at::kFloat).contiguous();  // [nb, K]
-    at::Tensor cols = out.narrow(1, n0, nb);  // rows of stride N: the BLAS writes them in place (ldc = N)
-    at::mm_out(cols, x32, wb.t());
+    at::Tensor cols = out.narrow(1, n0, nb);  // rows of stride N: the BLAS writes them in place (ldc = N; K = 0: zeros)
+    at::mm_out(cols, x32, weight.narrow(0, n0, nb).to(at::kFloat).t());  // W's rows widened as they lie
   }
-  if (k_len == 0) out.zero_();
   if (bias.has_value()) out.add_(bias->to(at::kFloat));
   return out.to(x.scalar_type());
 }
