@@ -25,13 +25,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     place instead of packing it per call (afd/kernels/csrc/small_linear.cpp; ``kernels.small_linear_max_rows``),
     and bfloat16 up to 128 rows AMX-BF16's tiles where the CPU has them (amx.cpp; ``small_linear_max_bf16_rows``);
     where it has no half-precision dot products, half-precision rows from 64 (AVX2: 128) widen W to float32 for the float32 BLAS
-    (widened_linear.cpp; ``small_linear_widen_rows``).
+    (widened_linear.cpp; ``small_linear_widen_rows``); float32 rows past the tiles up to 96 with K >= 1,024 (a routed
+    expert's in a prefill step) are computed transposed, W's values broadcast (broadcast_linear.cpp;
+    ``broadcast_linear_max_rows``).
     Half-precision rows past those go to torch padded to ``kernels.linear_rows_bucket`` rows: oneDNN builds a kernel
     for every new shape, which costs more than the product at a serving step's ever-new row counts.
     ``GroupedExperts.reference`` calls it as moe_experts.cpp does, so past decode sizes the two agree bit for bit."""
     if x.device.type == "cpu" and x.dim() == 2:
         kernels = native_ops()
-        if kernels is not None and (x.dtype != torch.float32 or x.shape[0] <= kernels.small_linear_max_rows):
+        rows = x.shape[0]
+        if kernels is not None and (x.dtype != torch.float32 or rows <= kernels.small_linear_max_rows
+                                    or (rows <= kernels.broadcast_linear_max_rows and x.shape[1] >= kernels.broadcast_linear_min_k)):
             return kernels.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -226,3 +226,36 @@ def test_half_precision_rows_past_the_tiles_widen_w_for_the_float32_blas_without
         assert _mm_calls(lambda: linear(x, w, b)) == (blocks if rows >= kernels.small_linear_widen_rows else 0)
     with pytest.raises(RuntimeError):  # mixed dtypes are refused as F.linear refuses them, not widened alike
         linear(x, w.float(), b)
+
+
+def _gemm_calls(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.name in ("aten::mm", "aten::addmm") for e in prof.events())
+
+
+# rows: 1-6 vectors of columns (panels of 3 + 1, 2 + 2, 3 + 3 at 16 lanes), tails of a vector, either side of 96;
+# n: whole tiles of W rows and a last row past them (37 = 4 x 9 + 1 = 9 x 4 + 1); k: 1,024 (the least taken), 1,000
+# (not taken), 2,050 (a K tail), 12,000 (x^T past 1 MB from 24 rows: not taken)
+@pytest.mark.parametrize("rows", [17, 24, 32, 33, 48, 64, 65, 80, 96, 97])
+@pytest.mark.parametrize("n, k", [(37, 1024), (200, 2050), (40, 1000), (20, 12000)])
+def test_float32_rows_of_a_prefill_expert_run_transposed_with_w_broadcast(rows, n, k):
+    """float32 linears of 17-96 rows with K >= 1,024 (a routed expert's in a prefill step) run transposed, y^T = W x^T
+    with W's values broadcast (broadcast_linear.cpp), not on the BLAS, while x^T fits in 1 MB, in an AVX-512 build;
+    other shapes (and every shape with AVX2, where it is built but slower than MKL) go to the BLAS. Either way within twice F.linear's own error against float64, bias added, x a strided view."""
+    kernels = native_ops()
+    lanes = {"avx512": 16, "avx2": 8}.get(kernels.simd, 0)
+    assert kernels.broadcast_linear_max_rows == (96 if lanes == 16 else 0)  # AVX2's 16 registers: built, slower than MKL
+    gen = torch.Generator().manual_seed(rows * 7 + n)
+    wide = torch.randn(rows, k + 8, generator=gen)
+    x = wide[:, 3 : 3 + k]  # rows with a stride
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    b = torch.randn(n, generator=gen)
+    got = linear(x, w, b)
+    assert got.is_contiguous()
+    _close_to_exact(got, x, w, b)
+    ld = -(-rows // lanes) * lanes if lanes else 0
+    takes = lanes == 16 and kernels.small_linear_max_rows < rows <= 96 and k >= 1024 and k * ld * 4 <= 1 << 20
+    tiles = bool(lanes) and rows <= kernels.small_linear_max_rows  # AVX2's tiles take up to 32 float32 rows
+    assert _gemm_calls(lambda: linear(x, w, b)) == (0 if takes or tiles else 1)
+    _close_to_exact(kernels.broadcast_linear(x, w), x, w, None) if lanes else None

@@ -1,0 +1,144 @@
+// float32 linears of a few dozen rows, computed transposed: y^T [N, M] = W [N, K] . x^T [K, M], W's values broadcast.
+//
+// The routed experts of a prefill step get a few dozen rows each (V2-Lite at 512 tokens: ~48). There MKL's GEMM
+// runs at half its peak on W [N, K] (the weight as nn.Linear keeps it): to multiply it as the B operand it packs and
+// transposes W on every call, and a few dozen rows cannot pay for that (x @ W^T at 48 rows: 86-93 GFLOP/s a thread,
+// the same product with W stored [K, N]: 148, the 2-thread peak 338). small_linear's register tiles read W in place
+// but take x's rows in tiles that reread all of x from L2 for every two W rows, which bounds them at ~115.
+//
+// Transposed, W needs no packing: a tile of NR rows of W against V vectors of x^T's columns keeps NR x V
+// accumulators; each step of k loads V vectors of x^T's row k (x^T lives in L2: K x M floats) and broadcasts one
+// value from each of W's NR rows (each row read front to back, once per call: NR streams). V x NR FMAs for V + NR
+// loads, no horizontal sums. Measured on the 2-core AVX-512 VM without
+// AVX512-BF16 (V2-Lite's 2048 -> 2816 and 1408 -> 2048, 2 threads, W in cache): 1.0-1.9x MKL at 24-96 rows, up to
+// 0.9x of the fp32 peak; in the experts' loop, where W comes from memory, 1.2x (the next tile's W prefetched).
+//
+// x^T's columns are padded to whole vectors with zeros (their outputs are computed and not read). Columns come in
+// panels of up to kV vectors; every panel of a W tile runs while the tile is in L2, so W is read once per call.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+
+#include "simd.h"
+#include "small_linear.h"
+
+#if defined(AFD_SIMD)
+
+namespace {
+
+using afd_simd::kLanes;
+using afd_simd::vfloat;
+namespace simd = afd_simd;
+
+// A panel's vectors of columns and a tile's rows of W, for 32 registers (AVX-512: 3 x 9) or 16 (AVX2: 3 x 4):
+// V x NR accumulators + V vectors of x^T + one broadcast. A last panel of fewer vectors keeps NR.
+constexpr int kV = 3;
+constexpr int kNR = afd_simd::kRegisters >= 32 ? 9 : 4;
+static_assert(kV * kNR + kV + 1 <= afd_simd::kRegisters, "a tile that spills");
+constexpr int64_t kBlock = 256;            // steps of k an accumulator sums before it is added into the tile's sums
+// past 96 rows MKL's packing pays for itself (V2-Lite's shapes: 0.9-1.1x at 128). With AVX2's 16 registers (3 x 4
+// tiles) it is 0.76-0.98x MKL at 48-96 rows (the same VM with MKL held to AVX2): built there, not taken.
+constexpr int64_t kMaxRows = afd_simd::kRegisters >= 32 ? 96 : 0;
+constexpr int64_t kMinK = 1024;            // shorter rows do not pay for x's transpose and y's (the built-in model's
+                                           // K = 256: 0.75-0.95x MKL)
+constexpr int64_t kMaxXtBytes = 1 << 20;   // x^T stays in L2 (half of a 2 MB one) while W streams past it
+
+// y's columns [0, NR) of its rows [0, cols) = W rows [0, NR) . x^T's columns [0, cols): V x NR accumulators, each
+// summing a block of kBlock steps of k and then added into the tile's sums (one accumulator over the whole of K
+// would add K products in a row: at K = 12,000 ten times MKL's error), then written out transposed (a few hundred
+// stores against NR x V x K FMAs).
+template <int NR, int V>
+inline void tile(const float* w, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t ldy, int64_t cols) {
+  alignas(64) float sums[NR][V * kLanes] = {};
+  for (int64_t k0 = 0; k0 < k_len; k0 += kBlock) {
+    const int64_t k1 = std::min(k_len, k0 + kBlock);
+    vfloat acc[NR][V];
+    for (int r = 0; r < NR; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = simd::zero();
+    for (int64_t k = k0; k < k1; ++k) {
+      if ((k & 15) == 0)  // the next tile's W rows into L2 while this one computes: W comes from memory (an expert's once a step)
+        for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * k_len + k), _MM_HINT_T1);
+      vfloat xv[V];
+      for (int v = 0; v < V; ++v) xv[v] = simd::load(xt + k * ld + v * kLanes);
+      for (int r = 0; r < NR; ++r) {
+        const vfloat b = simd::set1(w[r * k_len + k]);
+        for (int v = 0; v < V; ++v) acc[r][v] = simd::fmadd(b, xv[v], acc[r][v]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int v = 0; v < V; ++v) simd::store(sums[r] + v * kLanes, simd::add(simd::load(sums[r] + v * kLanes), acc[r][v]));
+  }
+  for (int64_t c = 0; c < cols; ++c)
+    for (int r = 0; r < NR; ++r) y[c * ldy + r] = sums[r][c];
+}
+
+// W's rows [n0, n0 + rows) (a whole tile, or the last rows one at a time) against one panel of x^T's columns.
+template <int V>
+inline void panel(const float* w, int64_t n0, int64_t rows, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t ldy,
+                  int64_t cols) {
+  if (rows == kNR) return tile<kNR, V>(w + n0 * k_len, k_len, xt, ld, y + n0, ldy, cols);
+  for (int64_t n = n0; n < n0 + rows; ++n) tile<1, V>(w + n * k_len, k_len, xt, ld, y + n, ldy, cols);
+}
+
+}  // namespace
+
+bool broadcast_linear_takes(at::ScalarType dtype, int64_t rows, int64_t k_len) {
+  const int64_t ld = (rows + kLanes - 1) / kLanes * kLanes;
+  return dtype == at::kFloat && rows > small_linear_max_rows() && rows <= kMaxRows && k_len >= kMinK &&
+         k_len * ld * int64_t{sizeof(float)} <= kMaxXtBytes;
+}
+
+int64_t broadcast_linear_max_rows() { return kMaxRows; }
+
+int64_t broadcast_linear_min_k() { return kMinK; }
+
+at::Tensor broadcast_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "broadcast_linear: x [M, K] and weight [N, K], got ",
+              x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "broadcast_linear: float32 x and a contiguous float32 weight");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0)), "broadcast_linear: bias [N]");
+  const c10::NoGradGuard no_grad;
+  const int64_t rows = x.size(0), k_len = x.size(1), n_len = weight.size(0);
+  const int64_t ld = (rows + kLanes - 1) / kLanes * kLanes;  // x^T's columns, whole vectors (the padding zeros)
+  at::Tensor xt = at::zeros({k_len, ld}, x.options());
+  xt.narrow(1, 0, rows).copy_(x.t());
+  at::Tensor out = at::empty({rows, n_len}, x.options());
+  const float* w = weight.data_ptr<float>();
+  const float* xp = xt.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  // the columns' vectors spread evenly over the fewest panels (64 columns: 2 + 2 vectors, not 3 + 1)
+  const int64_t vectors = ld / kLanes, panels = (vectors + kV - 1) / kV;
+  const auto vectors_of = [&](int64_t p) { return vectors / panels + (p < vectors % panels ? 1 : 0); };
+  const int64_t tiles = (n_len + kNR - 1) / kNR;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kNR, n = std::min<int64_t>(kNR, n_len - n0);
+      for (int64_t p = 0, c0 = 0; p < panels; c0 += vectors_of(p++) * kLanes) {  // every panel while this tile of W is in cache
+        const int64_t cols = std::min(vectors_of(p) * kLanes, rows - c0);
+        float* yp = y + c0 * n_len;
+        if (vectors_of(p) == 3) panel<3>(w, n0, n, k_len, xp + c0, ld, yp, n_len, cols);
+        else if (vectors_of(p) == 2) panel<2>(w, n0, n, k_len, xp + c0, ld, yp, n_len, cols);
+        else panel<1>(w, n0, n, k_len, xp + c0, ld, yp, n_len, cols);
+      }
+    }
+  });
+  if (bias.has_value()) out.add_(bias->to(at::kFloat));
+  return out;
+}
+
+#else
+
+bool broadcast_linear_takes(at::ScalarType, int64_t, int64_t) { return false; }
+
+int64_t broadcast_linear_max_rows() { return 0; }
+
+int64_t broadcast_linear_min_k() { return 0; }
+
+at::Tensor broadcast_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "broadcast_linear: built without AVX-512 or AVX2");
+}
+
+#endif
