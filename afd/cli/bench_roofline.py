@@ -119,7 +119,7 @@ def gemm_peak(dtype: str, runs: int, sizes: list[int], budget_s: float = PROBE_B
         for n in sorted(sizes):
             if speed is not None and spent + (runs + 1) * 2 * n**3 / speed > budget_s:
                 print(f"GEMM peak {dtype} ({name}): n={n} skipped: ~{2 * n**3 / speed:.1f} s a call at this CPU's "
-                      f"{speed / 1e9:.0f} GFLOP/s (the probe's budget is {budget_s:.0f} s)", file=sys.stderr, flush=True)
+                      f"{speed / 1e9:.3g} GFLOP/s (the probe's budget is {budget_s:.0f} s)", file=sys.stderr, flush=True)
                 break
             fn = make(n)
             if fn is None:
