@@ -97,8 +97,9 @@ int64_t broadcast_linear_min_k() { return kMinK; }
 at::Tensor broadcast_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "broadcast_linear: x [M, K] and weight [N, K], got ",
               x.sizes(), " and ", weight.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              "broadcast_linear: float32 x and a contiguous float32 weight");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.is_contiguous() && x.device().is_cpu() &&
+                  weight.device().is_cpu(),
+              "broadcast_linear: float32 x and a contiguous float32 weight, on the CPU");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0)), "broadcast_linear: bias [N]");
   const c10::NoGradGuard no_grad;
   const int64_t rows = x.size(0), k_len = x.size(1), n_len = weight.size(0);

@@ -385,7 +385,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
                        x.size(1) == weight.size(1) && weight.scalar_type() == dtype && weight.is_contiguous() &&
                        (!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0)));
   if (!applies) {
-    const bool cpu = x.device().is_cpu() && x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == dtype;
+    const bool cpu = x.device().is_cpu() && weight.device().is_cpu() && x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == dtype;
     if (cpu && broadcast_linear_takes(dtype, x.size(0), x.size(1)) && weight.is_contiguous() && x.size(1) == weight.size(1))
       return broadcast_linear(x, weight, bias);
     return cpu && small_linear_widens(dtype, x.size(0)) ? widened_linear(x, weight, bias) : bucketed_linear(x, weight, bias);
