@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("ops.cpp", "paged_decode.cpp", "moe_experts.cpp", "norm_rope.cpp", "small_linear.cpp",
                                                                         "gated_deltanet.cpp", "int8_linear.cpp", "amx.cpp",
                                                                         "mla_decode.cpp", "moe_experts_int8.cpp", "widened_linear.cpp", "dsa_index.cpp",
-                                                                        "broadcast_linear.cpp"))
+                                                                        "broadcast_linear.cpp", "moe_experts_transposed.cpp"))
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("simd.h", "small_linear.h", "int8_linear.h", "moe_experts.h"))
 def cflags() -> tuple[str, ...]:
     """-march=native (``AFD_KERNELS_MARCH``): the library is built on the machine that runs it, for its CPU (or an

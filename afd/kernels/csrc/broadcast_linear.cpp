@@ -45,12 +45,13 @@ constexpr int64_t kMinK = 1024;            // shorter rows do not pay for x's tr
                                            // K = 256: 0.75-0.95x MKL)
 constexpr int64_t kMaxXtBytes = 1 << 20;   // x^T stays in L2 (half of a 2 MB one) while W streams past it
 
-// y's columns [0, NR) of its rows [0, cols) = W rows [0, NR) . x^T's columns [0, cols): V x NR accumulators, each
+// y^T's rows [0, NR) of its columns [0, cols) = W rows [0, NR) . x^T's columns [0, cols): V x NR accumulators, each
 // summing a block of kBlock steps of k and then added into the tile's sums (one accumulator over the whole of K
-// would add K products in a row: at K = 12,000 ten times MKL's error), then written out transposed (a few hundred
-// stores against NR x V x K FMAs).
+// would add K products in a row: at K = 12,000 ten times MKL's error), then written out, y^T's row r and column c at
+// y[r * rs + c * cs] (y [M, N]: rs 1, cs N; y^T [N, ld] as it is: rs ld, cs 1; a few hundred stores against
+// NR x V x K FMAs).
 template <int NR, int V>
-inline void tile(const float* w, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t ldy, int64_t cols) {
+inline void tile(const float* w, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t rs, int64_t cs, int64_t cols) {
   alignas(64) float sums[NR][V * kLanes] = {};
   for (int64_t k0 = 0; k0 < k_len; k0 += kBlock) {
     const int64_t k1 = std::min(k_len, k0 + kBlock);
@@ -70,19 +71,50 @@ inline void tile(const float* w, int64_t k_len, const float* xt, int64_t ld, flo
     for (int r = 0; r < NR; ++r)
       for (int v = 0; v < V; ++v) simd::store(sums[r] + v * kLanes, simd::add(simd::load(sums[r] + v * kLanes), acc[r][v]));
   }
-  for (int64_t c = 0; c < cols; ++c)
-    for (int r = 0; r < NR; ++r) y[c * ldy + r] = sums[r][c];
+  for (int r = 0; r < NR; ++r)
+    for (int64_t c = 0; c < cols; ++c) y[r * rs + c * cs] = sums[r][c];
 }
 
 // W's rows [n0, n0 + rows) (a whole tile, or the last rows one at a time) against one panel of x^T's columns.
 template <int V>
-inline void panel(const float* w, int64_t n0, int64_t rows, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t ldy,
-                  int64_t cols) {
-  if (rows == kNR) return tile<kNR, V>(w + n0 * k_len, k_len, xt, ld, y + n0, ldy, cols);
-  for (int64_t n = n0; n < n0 + rows; ++n) tile<1, V>(w + n * k_len, k_len, xt, ld, y + n, ldy, cols);
+inline void panel(const float* w, int64_t n0, int64_t rows, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t rs,
+                  int64_t cs, int64_t cols) {
+  if (rows == kNR) return tile<kNR, V>(w + n0 * k_len, k_len, xt, ld, y + n0 * rs, rs, cs, cols);
+  for (int64_t n = n0; n < n0 + rows; ++n) tile<1, V>(w + n * k_len, k_len, xt, ld, y + n * rs, rs, cs, cols);
+}
+
+// y^T = W [n_len, K] . x^T [K, ld] over x^T's columns [0, cols), y^T's row n and column c at y[n * rs + c * cs], split
+// over the threads by tiles of W's rows.
+void product(const float* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, int64_t cols, float* y, int64_t rs,
+             int64_t cs) {
+  // the columns' vectors spread evenly over the fewest panels (64 columns: 2 + 2 vectors, not 3 + 1)
+  const int64_t vectors = ld / kLanes, panels = (vectors + kV - 1) / kV;
+  const auto vectors_of = [&](int64_t p) { return vectors / panels + (p < vectors % panels ? 1 : 0); };
+  const int64_t tiles = (n_len + kNR - 1) / kNR;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kNR, n = std::min<int64_t>(kNR, n_len - n0);
+      for (int64_t p = 0, c0 = 0; p < panels; c0 += vectors_of(p++) * kLanes) {  // every panel while this tile of W is in cache
+        const int64_t panel_cols = std::min(vectors_of(p) * kLanes, cols - c0);
+        float* yp = y + c0 * cs;
+        if (vectors_of(p) == 3) panel<3>(w, n0, n, k_len, xt + c0, ld, yp, rs, cs, panel_cols);
+        else if (vectors_of(p) == 2) panel<2>(w, n0, n, k_len, xt + c0, ld, yp, rs, cs, panel_cols);
+        else panel<1>(w, n0, n, k_len, xt + c0, ld, yp, rs, cs, panel_cols);
+      }
+    }
+  });
 }
 
 }  // namespace
+
+int64_t broadcast_gemm_max_cols(int64_t k_len) {
+  return k_len < kMinK ? 0 : std::min(kMaxRows, kMaxXtBytes / (k_len * int64_t{sizeof(float)}) / kLanes * kLanes);
+}
+
+void broadcast_gemm_t(const float* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* yt) {
+  TORCH_CHECK(ld % kLanes == 0 && ld <= broadcast_gemm_max_cols(k_len), "broadcast_gemm_t: x^T [", k_len, ", ", ld, "]");
+  product(w, n_len, k_len, xt, ld, ld, yt, ld, 1);
+}
 
 bool broadcast_linear_takes(at::ScalarType dtype, int64_t rows, int64_t k_len) {
   const int64_t ld = (rows + kLanes - 1) / kLanes * kLanes;
@@ -107,25 +139,7 @@ at::Tensor broadcast_linear(const at::Tensor& x, const at::Tensor& weight, const
   at::Tensor xt = at::zeros({k_len, ld}, x.options());
   xt.narrow(1, 0, rows).copy_(x.t());
   at::Tensor out = at::empty({rows, n_len}, x.options());
-  const float* w = weight.data_ptr<float>();
-  const float* xp = xt.data_ptr<float>();
-  float* y = out.data_ptr<float>();
-  // the columns' vectors spread evenly over the fewest panels (64 columns: 2 + 2 vectors, not 3 + 1)
-  const int64_t vectors = ld / kLanes, panels = (vectors + kV - 1) / kV;
-  const auto vectors_of = [&](int64_t p) { return vectors / panels + (p < vectors % panels ? 1 : 0); };
-  const int64_t tiles = (n_len + kNR - 1) / kNR;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * kNR, n = std::min<int64_t>(kNR, n_len - n0);
-      for (int64_t p = 0, c0 = 0; p < panels; c0 += vectors_of(p++) * kLanes) {  // every panel while this tile of W is in cache
-        const int64_t cols = std::min(vectors_of(p) * kLanes, rows - c0);
-        float* yp = y + c0 * n_len;
-        if (vectors_of(p) == 3) panel<3>(w, n0, n, k_len, xp + c0, ld, yp, n_len, cols);
-        else if (vectors_of(p) == 2) panel<2>(w, n0, n, k_len, xp + c0, ld, yp, n_len, cols);
-        else panel<1>(w, n0, n, k_len, xp + c0, ld, yp, n_len, cols);
-      }
-    }
-  });
+  product(weight.data_ptr<float>(), n_len, k_len, xt.data_ptr<float>(), ld, rows, out.data_ptr<float>(), 1, n_len);
   if (bias.has_value()) out.add_(bias->to(at::kFloat));
   return out;
 }
@@ -137,6 +151,12 @@ bool broadcast_linear_takes(at::ScalarType, int64_t, int64_t) { return false; }
 int64_t broadcast_linear_max_rows() { return 0; }
 
 int64_t broadcast_linear_min_k() { return 0; }
+
+int64_t broadcast_gemm_max_cols(int64_t) { return 0; }
+
+void broadcast_gemm_t(const float*, int64_t, int64_t, const float*, int64_t, float*) {
+  TORCH_CHECK(false, "broadcast_gemm_t: built without AVX-512 or AVX2");
+}
 
 at::Tensor broadcast_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
   TORCH_CHECK(false, "broadcast_linear: built without AVX-512 or AVX2");

@@ -14,6 +14,8 @@
 //   The experts run side by side on the threads where their rows are spread (AMX: V2-Lite's 64 experts 1.13x at 48
 //   tokens, the built-in model's 8 1.3-2.8x; register tiles: one parallel region a call instead of two a GEMM, the
 //   built-in model's 32-token decode 1.08 -> 0.24 ms a layer).
+// * float32 experts past decode sizes whose H and I are at least 1,024 (AVX-512 builds): one C++ loop over scratch
+//   buffers, an expert's rows kept transposed from x^T to its weighted output (moe_experts_transposed.cpp).
 // * Otherwise (prefill, or neither instruction set): the same ATen ops, in the same order, as GroupedExperts.reference's
 //   per-expert loop (afd/models/layers.py), without a Python round trip per op, so bit for bit its output
 //   (its GEMMs are small_linear's, which the loop's ``linear`` calls too).
@@ -361,6 +363,8 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
     return {experts_in_place(x, weights, gate_up, down, count, rows, k, most, math, inter), at::tensor(per_expert, index_options)};
   if (experts_take_tiles(dtype, most, x.size(1), inter) && in_dtype)
     return {experts_in_place(x, weights, gate_up, down, count, rows, k, most, math, inter, true), at::tensor(per_expert, index_options)};
+  if (experts_take_transposed(x, gate_up, down, math))
+    return {experts_transposed(x, weights, gate_up, down, grouped, k, math), at::tensor(per_expert, index_options)};
   auto out = at::zeros({num_tokens * k, x.size(1)}, x.options());  // one row per (token, slot)
   const at::Tensor flat_weights = weights.reshape({-1});
   for (int64_t e = 0; e < num_experts; ++e) {

@@ -28,9 +28,9 @@ struct ExpertMath {
   at::Tensor down(const at::Tensor& w, int64_t e) const { return down_scales ? decode_mxfp4(w[e], (*down_scales)[e], dtype) : w[e]; }
 };
 
-// silu(gate) * up, or the clamped form, over one row of I channels (gate then up in g); vectorised with simd.h's exp
-// where the build has it (a scalar std::exp per channel had been most of a prefill's expert time: 1,024 rows x 192).
-inline void activation(const float* g, float* a, int64_t inter, const ExpertMath& math) {
+// silu(gate) * up, or the clamped form, over n channels (gate's and up's); vectorised with simd.h's exp where the build
+// has it (a scalar std::exp per channel had been most of a prefill's expert time: 1,024 rows x 192).
+inline void activation(const float* gate_in, const float* up_in, float* a, int64_t n, const ExpertMath& math) {
   const bool clamped = math.limit.has_value();
   const float limit = clamped ? static_cast<float>(*math.limit) : 0.f;
   const float alpha = clamped ? static_cast<float>(math.alpha) : 1.f, offset = clamped ? static_cast<float>(math.offset) : 0.f;
@@ -38,8 +38,8 @@ inline void activation(const float* g, float* a, int64_t inter, const ExpertMath
 #if defined(AFD_SIMD)
   using namespace afd_simd;
   const vfloat one = set1(1.f);
-  for (; c + kLanes <= inter; c += kLanes) {
-    vfloat gate = load(g + c), up = load(g + inter + c);
+  for (; c + kLanes <= n; c += kLanes) {
+    vfloat gate = load(gate_in + c), up = load(up_in + c);
     if (clamped) {
       gate = min(gate, set1(limit));
       up = add(min(max(up, set1(-limit)), set1(limit)), set1(offset));
@@ -47,8 +47,8 @@ inline void activation(const float* g, float* a, int64_t inter, const ExpertMath
     store(a + c, div(mul(up, gate), add(one, afd_simd::exp(mul(gate, set1(-alpha))))));
   }
 #endif
-  for (; c < inter; ++c) {
-    float gate = g[c], up = g[inter + c];
+  for (; c < n; ++c) {
+    float gate = gate_in[c], up = up_in[c];
     if (clamped) {
       gate = std::min(gate, limit);
       up = std::min(std::max(up, -limit), limit) + offset;
@@ -56,6 +56,9 @@ inline void activation(const float* g, float* a, int64_t inter, const ExpertMath
     a[c] = up * gate / (1.f + std::exp(-alpha * gate));
   }
 }
+
+// The same over one row of I channels, gate then up in g.
+inline void activation(const float* g, float* a, int64_t inter, const ExpertMath& math) { activation(g, g + inter, a, inter, math); }
 
 // The (token, slot) rows grouped by expert with a counting sort: expert e's rows are rows[count[e] .. count[e + 1]),
 // in row order (as a stable sort gives).
@@ -65,5 +68,11 @@ struct Grouped {
 };
 
 Grouped group_by_expert(const at::Tensor& local_ids, int64_t num_experts);
+
+// moe_experts_transposed.cpp: float32 experts past decode sizes computed transposed end to end (its top says how);
+// whether it takes experts of H -> I -> H (every expert's rows, in chunks), and the loop.
+bool experts_take_transposed(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const ExpertMath& math);
+at::Tensor experts_transposed(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
+                              const Grouped& grouped, int64_t k, const ExpertMath& math);
 
 }  // namespace afd_moe

@@ -24,12 +24,16 @@ int64_t small_linear_widen_rows();  // the fewest half-precision rows it widens 
 at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
 // broadcast_linear.cpp: float32 y = x W^T + b computed transposed (y^T = W x^T, W's values broadcast, W read once in
-// place), for the few dozen rows an expert gets in a prefill step; the result is a transposed view [M, N].
+// place), for the few dozen rows an expert gets in a prefill step.
 at::Tensor broadcast_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // float32 rows past small_linear's up to broadcast_linear_max_rows(), K of at least 1024, x^T within 1 MB
 bool broadcast_linear_takes(at::ScalarType dtype, int64_t rows, int64_t k_len);
 int64_t broadcast_linear_max_rows();  // 96 (0: not built)
 int64_t broadcast_linear_min_k();     // 1024
+// Its product on buffers, kept transposed: yt [N, ld] = weight [N, K] (float32, contiguous) . xt [K, ld], ld a multiple
+// of the vector width up to broadcast_gemm_max_cols(K) (0 where K is short or the kernel is not built; xt within 1 MB).
+void broadcast_gemm_t(const float* weight, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* yt);
+int64_t broadcast_gemm_max_cols(int64_t k_len);
 
 // The rows at::linear is called with for `rows` half-precision rows (small_linear pads them): `rows` up to 16, else
 // rounded up to a multiple of a quarter of its power of two (at most 25 % more; four sizes an octave), so that

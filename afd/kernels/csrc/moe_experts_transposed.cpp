@@ -1,0 +1,144 @@
+// float32 routed experts past decode sizes (a prefill step's few dozen rows an expert), computed transposed end to end.
+//
+// broadcast_linear.cpp computes an expert's GEMM as y^T = W . x^T, W read once in place. Called per GEMM from the
+// ATen loop it transposes x in and y out each time, and the loop around it (a gather, silu, mul, the weighting, the
+// scatter into one row per (token, slot), their sum) is a dozen ATen ops an expert on fresh tensors: ~20 % of a
+// V2-Lite-shaped prefill's expert time at 512 tokens. Kept transposed, one expert's rows are
+//
+//   x^T  [H, ld]   its tokens' rows gathered as columns (ld: the rows rounded up to a vector; the padding zeros)
+//   g^T  [2I, ld]  = gate_up . x^T       (gate rows, then up rows: each a contiguous block of I x ld)
+//   a^T  [I, ld]   = act(gate^T, up^T)   elementwise over the two blocks (moe_experts.h's activation)
+//   y^T  [H, ld]   = down . a^T          a^T is already the down GEMM's x^T: nothing is transposed between them
+//
+// and each column i of y^T, weighted, is added into its token's output row. The buffers are the call's own, reused by
+// every expert (~3 MB at V2-Lite's shapes: in the caches). An expert takes this where broadcast_linear would take its
+// rows (past small_linear's register tiles, up to 96, x^T within 1 MB: V3's 7,168-wide rows up to 32); the others run
+// the same loop row-major, their GEMMs on the register tiles (a few rows) or the BLAS (past 96, where MKL's packing
+// pays), as small_linear gives them.
+//
+// Each step is split over the threads (W's tiles, the activation's channels or rows, the output's columns), one expert
+// at a time in expert order, so every output element sums its token's experts in the same order whatever the thread
+// count: the result does not depend on it, but for the BLAS's own sums past 96 rows (MKL's differ between 1 and 2
+// threads, as they do in the ATen loop). It is not the ATen loop's bit for bit (that one sums a token's slots in
+// slot order and takes ATen's silu): it agrees with GroupedExperts.reference to float32's rounding, as the decode
+// path does. Taken for float32 experts whose H and I are both at least broadcast_linear_min_k (1,024), in AVX-512
+// builds (broadcast_gemm_max_cols); other float32 experts past decode sizes keep the ATen loop.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <functional>
+#include <vector>
+
+#include "moe_experts.h"
+#include "small_linear.h"
+
+namespace afd_moe {
+
+namespace {
+
+#if defined(AFD_SIMD)
+constexpr int64_t kLanes = afd_simd::kLanes;  // x^T's columns come in whole vectors
+#else
+constexpr int64_t kLanes = 1;  // never taken: broadcast_gemm_max_cols is 0
+#endif
+constexpr int64_t kBlockCols = 64;  // a gather's / scatter's block of H: its x^T or y^T rows stay in L1 across the rows
+
+int64_t max_cols(int64_t hidden, int64_t inter) {
+  return std::min(broadcast_gemm_max_cols(hidden), broadcast_gemm_max_cols(inter));
+}
+
+}  // namespace
+
+bool experts_take_transposed(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const ExpertMath& math) {
+  return x.scalar_type() == at::kFloat && gate_up.scalar_type() == at::kFloat && down.scalar_type() == at::kFloat &&
+         gate_up.is_contiguous() && down.is_contiguous() && !math.gate_up_scales && x.dim() == 2 && down.dim() == 3 &&
+         max_cols(x.size(1), down.size(2)) > 0;
+}
+
+at::Tensor experts_transposed(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
+                              const Grouped& grouped, int64_t k, const ExpertMath& math) {
+  const c10::NoGradGuard no_grad;  // the BLAS's out= form refuses weights that require grad (nn.Parameter's default)
+  const int64_t hidden = x.size(1), inter = down.size(2), num_experts = gate_up.size(0);
+  const int64_t most_cols = max_cols(hidden, inter);
+  const at::Tensor x32 = x.contiguous(), w32 = weights.to(at::kFloat).contiguous();
+  const float* xs = x32.data_ptr<float>();
+  const float* ws = w32.data_ptr<float>();
+  at::Tensor b1, b2;  // the biases in float32, or undefined
+  if (math.gate_up_bias) b1 = math.gate_up_bias->to(at::kFloat).contiguous();
+  if (math.down_bias) b2 = math.down_bias->to(at::kFloat).contiguous();
+  at::Tensor out = at::zeros({x.size(0), hidden}, x.options());
+  float* os = out.data_ptr<float>();
+  // an expert's rows: x^T (or x), gate and up, the activation, y^T (or y); [H, ld] transposed, [rows, H] row-major
+  const int64_t cap = std::max(most_cols, grouped.most);
+  std::vector<float> xt(hidden * cap), gt(2 * inter * cap), act(inter * cap), yt(hidden * cap);
+  const auto blocks = [&](const std::function<void(int64_t, int64_t)>& run) {  // H in blocks of kBlockCols, over the threads
+    at::parallel_for(0, (hidden + kBlockCols - 1) / kBlockCols, 1, [&](int64_t b0, int64_t b1_) {
+      for (int64_t b = b0; b < b1_; ++b) run(b * kBlockCols, std::min(hidden, (b + 1) * kBlockCols));
+    });
+  };
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t n = grouped.count[e + 1] - grouped.count[e];
+    if (n == 0) continue;
+    const int64_t* slot_rows = grouped.rows.data() + grouped.count[e];
+    // transposed where broadcast_linear would take the rows (past the register tiles, x^T within its bound); else
+    // row-major (ld = 1), on the register tiles or the BLAS, as small_linear gives them
+    const bool transposed = n > small_linear_max_rows() && n <= most_cols;
+    const int64_t ld = transposed ? (n + kLanes - 1) / kLanes * kLanes : 1, rs = transposed ? 1 : hidden;  // x^T[h][i] at h * ld + i * rs
+    blocks([&](int64_t h0, int64_t h1) {  // the rows gathered (as columns, the padding zeros)
+      for (int64_t i = 0; i < n; ++i) {
+        const float* src = xs + (slot_rows[i] / k) * hidden;
+        for (int64_t h = h0; h < h1; ++h) xt[h * ld + i * rs] = src[h];
+      }
+      if (transposed)
+        for (int64_t h = h0; h < h1; ++h) std::fill(xt.begin() + h * ld + n, xt.begin() + (h + 1) * ld, 0.f);
+    });
+    const at::Tensor w1 = gate_up[e], w2 = down[e];
+    const auto product = [&](const at::Tensor& w, const float* in, int64_t k_len, float* dst) {
+      const int64_t n_len = w.size(0);
+      if (transposed) {
+        broadcast_gemm_t(w.data_ptr<float>(), n_len, k_len, in, ld, dst);
+      } else if (!small_linear_takes(at::kFloat, n) || !small_gemm(in, n, k_len, w, dst)) {
+        const auto f32 = at::TensorOptions().dtype(at::kFloat);
+        at::Tensor o = at::from_blob(dst, {n, n_len}, f32);
+        at::mm_out(o, at::from_blob(const_cast<float*>(in), {n, k_len}, f32), w.t());
+      }
+    };
+    product(w1, xt.data(), hidden, gt.data());
+    // the activation: gate and up of channel r lie I x ld apart (transposed) or I apart in a row (row-major)
+    const int64_t units = transposed ? inter : n;
+    at::parallel_for(0, units, transposed ? 64 : 4, [&](int64_t u0, int64_t u1) {
+      if (b1.defined()) {  // the gate_up bias first
+        const float* b = b1.data_ptr<float>() + e * 2 * inter;
+        if (transposed) {
+          for (int64_t r = u0; r < u1; ++r)
+            for (const int64_t row : {r, inter + r})
+              for (int64_t i = 0; i < ld; ++i) gt[row * ld + i] += b[row];
+        } else {
+          for (int64_t i = u0; i < u1; ++i)
+            for (int64_t c = 0; c < 2 * inter; ++c) gt[i * 2 * inter + c] += b[c];
+        }
+      }
+      if (transposed)
+        activation(gt.data() + u0 * ld, gt.data() + (inter + u0) * ld, act.data() + u0 * ld, (u1 - u0) * ld, math);
+      else
+        for (int64_t i = u0; i < u1; ++i) activation(gt.data() + i * 2 * inter, act.data() + i * inter, inter, math);
+    });
+    product(w2, act.data(), inter, yt.data());
+    const float* bias = b2.defined() ? b2.data_ptr<float>() + e * hidden : nullptr;
+    blocks([&](int64_t h0, int64_t h1) {  // each row, weighted, into its token's
+      for (int64_t i = 0; i < n; ++i) {
+        const float w = ws[slot_rows[i]];
+        float* o = os + (slot_rows[i] / k) * hidden;
+        if (bias != nullptr)  // the expert's bias, then its weight
+          for (int64_t h = h0; h < h1; ++h) o[h] += w * (yt[h * ld + i * rs] + bias[h]);
+        else
+          for (int64_t h = h0; h < h1; ++h) o[h] += w * yt[h * ld + i * rs];
+      }
+    });
+  }
+  return out;
+}
+
+}  // namespace afd_moe
