@@ -71,8 +71,13 @@ inline void tile(const float* w, int64_t k_len, const float* xt, int64_t ld, flo
     for (int r = 0; r < NR; ++r)
       for (int v = 0; v < V; ++v) simd::store(sums[r] + v * kLanes, simd::add(simd::load(sums[r] + v * kLanes), acc[r][v]));
   }
-  for (int r = 0; r < NR; ++r)
-    for (int64_t c = 0; c < cols; ++c) y[r * rs + c * cs] = sums[r][c];
+  if (cs == 1) {  // y^T as it is: each row's columns in a row
+    for (int r = 0; r < NR; ++r)
+      for (int64_t c = 0; c < cols; ++c) y[r * rs + c] = sums[r][c];
+  } else {  // y: each column's NR values side by side
+    for (int64_t c = 0; c < cols; ++c)
+      for (int r = 0; r < NR; ++r) y[r * rs + c * cs] = sums[r][c];
+  }
 }
 
 // W's rows [n0, n0 + rows) (a whole tile, or the last rows one at a time) against one panel of x^T's columns.

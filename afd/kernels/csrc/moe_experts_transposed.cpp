@@ -18,17 +18,19 @@
 //
 // Each step is split over the threads (W's tiles, the activation's channels or rows, the output's columns), one expert
 // at a time in expert order, so every output element sums its token's experts in the same order whatever the thread
-// count: the result does not depend on it, but for the BLAS's own sums past 96 rows (MKL's differ between 1 and 2
-// threads, as they do in the ATen loop). It is not the ATen loop's bit for bit (that one sums a token's slots in
+// count: the result does not depend on it, but for the BLAS's own sums (its experts' rows past what x^T may hold:
+// MKL's differ between 1 and 2 threads, as they do in the ATen loop). It is not the ATen loop's bit for bit (that one sums a token's slots in
 // slot order and takes ATen's silu): it agrees with GroupedExperts.reference to float32's rounding, as the decode
-// path does. Taken for float32 experts whose H and I are both at least broadcast_linear_min_k (1,024), in AVX-512
-// builds (broadcast_gemm_max_cols); other float32 experts past decode sizes keep the ATen loop.
+// path does. Taken for float32 x and contiguous float32 experts where x^T of H and of I rows can hold a vector of
+// columns or more (broadcast_gemm_max_cols: H and I from 1,024 to 16,384, in AVX-512 builds); other float32 experts
+// past decode sizes keep the ATen loop.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "moe_experts.h"
@@ -69,10 +71,13 @@ at::Tensor experts_transposed(const at::Tensor& x, const at::Tensor& weights, co
   if (math.gate_up_bias) b1 = math.gate_up_bias->to(at::kFloat).contiguous();
   if (math.down_bias) b2 = math.down_bias->to(at::kFloat).contiguous();
   at::Tensor out = at::zeros({x.size(0), hidden}, x.options());
+  if (grouped.most == 0) return out;  // no row held here
   float* os = out.data_ptr<float>();
-  // an expert's rows: x^T (or x), gate and up, the activation, y^T (or y); [H, ld] transposed, [rows, H] row-major
+  // an expert's rows: x^T (or x), gate and up, the activation, y^T (or y); [H, ld] transposed, [rows, H] row-major;
+  // every element read is written first (the padding columns included)
   const int64_t cap = std::max(most_cols, grouped.most);
-  std::vector<float> xt(hidden * cap), gt(2 * inter * cap), act(inter * cap), yt(hidden * cap);
+  const auto buffer = [](int64_t n) { return std::unique_ptr<float[]>(new float[n]); };
+  const auto xt = buffer(hidden * cap), gt = buffer(2 * inter * cap), act = buffer(inter * cap), yt = buffer(hidden * cap);
   const auto blocks = [&](const std::function<void(int64_t, int64_t)>& run) {  // H in blocks of kBlockCols, over the threads
     at::parallel_for(0, (hidden + kBlockCols - 1) / kBlockCols, 1, [&](int64_t b0, int64_t b1_) {
       for (int64_t b = b0; b < b1_; ++b) run(b * kBlockCols, std::min(hidden, (b + 1) * kBlockCols));
@@ -92,7 +97,7 @@ at::Tensor experts_transposed(const at::Tensor& x, const at::Tensor& weights, co
         for (int64_t h = h0; h < h1; ++h) xt[h * ld + i * rs] = src[h];
       }
       if (transposed)
-        for (int64_t h = h0; h < h1; ++h) std::fill(xt.begin() + h * ld + n, xt.begin() + (h + 1) * ld, 0.f);
+        for (int64_t h = h0; h < h1; ++h) std::fill(xt.get() + h * ld + n, xt.get() + (h + 1) * ld, 0.f);
     });
     const at::Tensor w1 = gate_up[e], w2 = down[e];
     const auto product = [&](const at::Tensor& w, const float* in, int64_t k_len, float* dst) {
@@ -105,7 +110,7 @@ at::Tensor experts_transposed(const at::Tensor& x, const at::Tensor& weights, co
         at::mm_out(o, at::from_blob(const_cast<float*>(in), {n, k_len}, f32), w.t());
       }
     };
-    product(w1, xt.data(), hidden, gt.data());
+    product(w1, xt.get(), hidden, gt.get());
     // the activation: gate and up of channel r lie I x ld apart (transposed) or I apart in a row (row-major)
     const int64_t units = transposed ? inter : n;
     at::parallel_for(0, units, transposed ? 64 : 4, [&](int64_t u0, int64_t u1) {
@@ -121,11 +126,11 @@ at::Tensor experts_transposed(const at::Tensor& x, const at::Tensor& weights, co
         }
       }
       if (transposed)
-        activation(gt.data() + u0 * ld, gt.data() + (inter + u0) * ld, act.data() + u0 * ld, (u1 - u0) * ld, math);
+        activation(gt.get() + u0 * ld, gt.get() + (inter + u0) * ld, act.get() + u0 * ld, (u1 - u0) * ld, math);
       else
-        for (int64_t i = u0; i < u1; ++i) activation(gt.data() + i * 2 * inter, act.data() + i * inter, inter, math);
+        for (int64_t i = u0; i < u1; ++i) activation(gt.get() + i * 2 * inter, act.get() + i * inter, inter, math);
     });
-    product(w2, act.data(), inter, yt.data());
+    product(w2, act.get(), inter, yt.get());
     const float* bias = b2.defined() ? b2.data_ptr<float>() + e * hidden : nullptr;
     blocks([&](int64_t h0, int64_t h1) {  // each row, weighted, into its token's
       for (int64_t i = 0; i < n; ++i) {
