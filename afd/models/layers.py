@@ -27,7 +27,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     where it has no half-precision dot products, half-precision rows from 64 (AVX2: 128) widen W to float32 for the float32 BLAS
     (widened_linear.cpp; ``small_linear_widen_rows``); float32 rows past the tiles up to 96 with K >= 1,024 (a routed
     expert's in a prefill step) are computed transposed, W's values broadcast (broadcast_linear.cpp;
-    ``broadcast_linear_max_rows``).
+    ``broadcast_linear_max_rows``), and so are bfloat16 ones where the CPU emulates bf16, W widened a block at a time.
     Half-precision rows past those go to torch padded to ``kernels.linear_rows_bucket`` rows: oneDNN builds a kernel
     for every new shape, which costs more than the product at a serving step's ever-new row counts.
     ``GroupedExperts.reference`` calls it as moe_experts.cpp does, so past decode sizes the two agree bit for bit."""

@@ -259,3 +259,28 @@ def test_float32_rows_of_a_prefill_expert_run_transposed_with_w_broadcast(rows, 
     tiles = bool(lanes) and rows <= kernels.small_linear_max_rows  # AVX2's tiles take up to 32 float32 rows
     assert _gemm_calls(lambda: linear(x, w, b)) == (0 if takes or tiles else 1)
     _close_to_exact(kernels.broadcast_linear(x, w), x, w, None) if lanes else None
+
+
+@pytest.mark.parametrize("rows", [16, 17, 40, 63, 64, 96, 97])
+@pytest.mark.parametrize("n, k", [(37, 1024), (40, 1000)])
+def test_bfloat16_rows_of_a_prefill_expert_run_transposed_where_bf16_is_emulated(rows, n, k):
+    """Where the CPU has neither bf16 dot products nor AMX-BF16 (bf16 emulated: the register tiles widen W for every
+    tile of rows, and from 64 rows W is widened for the float32 BLAS), bfloat16 linears of 17-96 rows with K >= 1,024
+    run broadcast_linear's transposed product too, each block of W widened to float32 in L1: no BLAS call and no
+    register tile, the result rounded to bf16 once, within twice F.linear's own error against float64. Elsewhere (and
+    at other shapes) the paths before it, as close."""
+    kernels = native_ops()
+    gen = torch.Generator().manual_seed(rows * 5 + n)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    got = linear(x, w, b)
+    _close_to_exact(got, x, w, b)
+    emulated = kernels.simd == "avx512" and not kernels.bf16_dot and kernels.bf16_tiles == "none"
+    takes = emulated and 16 < rows <= 96 and k >= 1024
+    widened = bool(kernels.small_linear_widen_rows) and rows >= kernels.small_linear_widen_rows
+    assert _gemm_calls(lambda: linear(x, w, b)) == (0 if takes or not widened else 1)  # 64-96 rows: not widened
+    if takes:  # the same bits as the kernel called directly (the tiles, below 64 rows, sum in another order)
+        assert torch.equal(got, kernels.broadcast_linear(x, w, b))
+    if emulated:
+        _close_to_exact(kernels.broadcast_linear(x, w), x, w, None)

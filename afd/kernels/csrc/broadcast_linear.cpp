@@ -1,4 +1,5 @@
-// float32 linears of a few dozen rows, computed transposed: y^T [N, M] = W [N, K] . x^T [K, M], W's values broadcast.
+// float32 linears of a few dozen rows, computed transposed: y^T [N, M] = W [N, K] . x^T [K, M], W's values broadcast
+// (and bfloat16 ones where the CPU emulates bf16: W widened a block at a time, below).
 //
 // The routed experts of a prefill step get a few dozen rows each (V2-Lite at 512 tokens: ~48). There MKL's GEMM
 // runs at half its peak on W [N, K] (the weight as nn.Linear keeps it): to multiply it as the B operand it packs and
@@ -20,6 +21,7 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "simd.h"
 #include "small_linear.h"
@@ -50,11 +52,30 @@ constexpr int64_t kMaxXtBytes = 1 << 20;   // x^T stays in L2 (half of a 2 MB on
 // would add K products in a row: at K = 12,000 ten times MKL's error), then written out, y^T's row r and column c at
 // y[r * rs + c * cs] (y [M, N]: rs 1, cs N; y^T [N, ld] as it is: rs ld, cs 1; a few hundred stores against
 // NR x V x K FMAs).
-template <int NR, int V>
-inline void tile(const float* w, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t rs, int64_t cs, int64_t cols) {
+//
+// A bfloat16 W (T): each block of its NR rows is widened to float32 in L1 first (16 values a load), and the block's
+// products read the widened copy: W's bytes from memory halve and the inner loop stays float32's.
+template <int NR, int V, typename T>
+inline void tile(const T* w, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t rs, int64_t cs, int64_t cols) {
+  constexpr bool kWiden = !std::is_same_v<T, float>;
   alignas(64) float sums[NR][V * kLanes] = {};
+  alignas(64) float widened[kWiden ? NR * kBlock : 1];
   for (int64_t k0 = 0; k0 < k_len; k0 += kBlock) {
     const int64_t k1 = std::min(k_len, k0 + kBlock);
+    const float* wb;  // W's rows at this block: wb[r * wld + k] for k in [k0, k1)
+    int64_t wld;
+    if constexpr (kWiden) {
+      for (int r = 0; r < NR; ++r) {
+        const T* src = w + r * k_len;
+        float* dst = widened + r * kBlock - k0;
+        int64_t k = k0;
+        for (; k + kLanes <= k1; k += kLanes) simd::store(dst + k, simd::load(src + k));
+        for (; k < k1; ++k) dst[k] = static_cast<float>(src[k]);
+      }
+      wb = widened - k0, wld = kBlock;
+    } else {
+      wb = w, wld = k_len;
+    }
     vfloat acc[NR][V];
     for (int r = 0; r < NR; ++r)
       for (int v = 0; v < V; ++v) acc[r][v] = simd::zero();
@@ -64,7 +85,7 @@ inline void tile(const float* w, int64_t k_len, const float* xt, int64_t ld, flo
       vfloat xv[V];
       for (int v = 0; v < V; ++v) xv[v] = simd::load(xt + k * ld + v * kLanes);
       for (int r = 0; r < NR; ++r) {
-        const vfloat b = simd::set1(w[r * k_len + k]);
+        const vfloat b = simd::set1(wb[r * wld + k]);
         for (int v = 0; v < V; ++v) acc[r][v] = simd::fmadd(b, xv[v], acc[r][v]);
       }
     }
@@ -81,8 +102,8 @@ inline void tile(const float* w, int64_t k_len, const float* xt, int64_t ld, flo
 }
 
 // W's rows [n0, n0 + rows) (a whole tile, or the last rows one at a time) against one panel of x^T's columns.
-template <int V>
-inline void panel(const float* w, int64_t n0, int64_t rows, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t rs,
+template <int V, typename T>
+inline void panel(const T* w, int64_t n0, int64_t rows, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t rs,
                   int64_t cs, int64_t cols) {
   if (rows == kNR) return tile<kNR, V>(w + n0 * k_len, k_len, xt, ld, y + n0 * rs, rs, cs, cols);
   for (int64_t n = n0; n < n0 + rows; ++n) tile<1, V>(w + n * k_len, k_len, xt, ld, y + n * rs, rs, cs, cols);
@@ -90,7 +111,8 @@ inline void panel(const float* w, int64_t n0, int64_t rows, int64_t k_len, const
 
 // y^T = W [n_len, K] . x^T [K, ld] over x^T's columns [0, cols), y^T's row n and column c at y[n * rs + c * cs], split
 // over the threads by tiles of W's rows.
-void product(const float* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, int64_t cols, float* y, int64_t rs,
+template <typename T>
+void product(const T* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, int64_t cols, float* y, int64_t rs,
              int64_t cs) {
   // the columns' vectors spread evenly over the fewest panels (64 columns: 2 + 2 vectors, not 3 + 1)
   const int64_t vectors = ld / kLanes, panels = (vectors + kV - 1) / kV;
@@ -123,7 +145,11 @@ void broadcast_gemm_t(const float* w, int64_t n_len, int64_t k_len, const float*
 
 bool broadcast_linear_takes(at::ScalarType dtype, int64_t rows, int64_t k_len) {
   const int64_t ld = (rows + kLanes - 1) / kLanes * kLanes;
-  return dtype == at::kFloat && rows > small_linear_max_rows() && rows <= kMaxRows && k_len >= kMinK &&
+  // bfloat16 where the CPU has neither bf16 dot products nor AMX-BF16 (bf16 emulated): W widened in L1 a block at a
+  // time, 17-96 rows of V2-Lite's 2048 -> 2816 with W from memory 1.2-2.1x the register tiles (to 63 rows) and W
+  // widened for the BLAS (from 64)
+  const bool bf16 = dtype == at::kBFloat16 && !small_linear_bf16_dot() && !amx_bf16_usable();
+  return (dtype == at::kFloat || bf16) && rows > small_linear_max_rows() && rows <= kMaxRows && k_len >= kMinK &&
          k_len * ld * int64_t{sizeof(float)} <= kMaxXtBytes;
 }
 
@@ -134,19 +160,24 @@ int64_t broadcast_linear_min_k() { return kMinK; }
 at::Tensor broadcast_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "broadcast_linear: x [M, K] and weight [N, K], got ",
               x.sizes(), " and ", weight.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.is_contiguous() && x.device().is_cpu() &&
-                  weight.device().is_cpu(),
-              "broadcast_linear: float32 x and a contiguous float32 weight, on the CPU");
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && (bf16 || x.scalar_type() == at::kFloat) && weight.is_contiguous() &&
+                  x.device().is_cpu() && weight.device().is_cpu(),
+              "broadcast_linear: float32 or bfloat16 x and a contiguous weight of its dtype, on the CPU");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0)), "broadcast_linear: bias [N]");
   const c10::NoGradGuard no_grad;
   const int64_t rows = x.size(0), k_len = x.size(1), n_len = weight.size(0);
   const int64_t ld = (rows + kLanes - 1) / kLanes * kLanes;  // x^T's columns, whole vectors (the padding zeros)
-  at::Tensor xt = at::zeros({k_len, ld}, x.options());
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor xt = at::zeros({k_len, ld}, f32);
   xt.narrow(1, 0, rows).copy_(x.t());
-  at::Tensor out = at::empty({rows, n_len}, x.options());
-  product(weight.data_ptr<float>(), n_len, k_len, xt.data_ptr<float>(), ld, rows, out.data_ptr<float>(), 1, n_len);
+  at::Tensor out = at::empty({rows, n_len}, f32);
+  if (bf16)
+    product(weight.data_ptr<c10::BFloat16>(), n_len, k_len, xt.data_ptr<float>(), ld, rows, out.data_ptr<float>(), 1, n_len);
+  else
+    product(weight.data_ptr<float>(), n_len, k_len, xt.data_ptr<float>(), ld, rows, out.data_ptr<float>(), 1, n_len);
   if (bias.has_value()) out.add_(bias->to(at::kFloat));
-  return out;
+  return bf16 ? out.to(at::kBFloat16) : out;
 }
 
 #else

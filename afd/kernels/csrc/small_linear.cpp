@@ -381,13 +381,14 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   }
 #if defined(AFD_SIMD)
   const auto dtype = x.scalar_type();
+  if (x.device().is_cpu() && weight.device().is_cpu() && x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == dtype &&
+      weight.is_contiguous() && x.size(1) == weight.size(1) && broadcast_linear_takes(dtype, x.size(0), x.size(1)))
+    return broadcast_linear(x, weight, bias);  // before the tiles: emulated bf16's tiles take up to 63 rows
   const bool applies = x.device().is_cpu() && x.dim() == 2 && weight.dim() == 2 && small_linear_takes(dtype, x.size(0)) &&
                        x.size(1) == weight.size(1) && weight.scalar_type() == dtype && weight.is_contiguous() &&
                        (!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0)));
   if (!applies) {
     const bool cpu = x.device().is_cpu() && weight.device().is_cpu() && x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == dtype;
-    if (cpu && broadcast_linear_takes(dtype, x.size(0), x.size(1)) && weight.is_contiguous() && x.size(1) == weight.size(1))
-      return broadcast_linear(x, weight, bias);
     return cpu && small_linear_widens(dtype, x.size(0)) ? widened_linear(x, weight, bias) : bucketed_linear(x, weight, bias);
   }
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
