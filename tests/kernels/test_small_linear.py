@@ -262,7 +262,7 @@ def test_float32_rows_of_a_prefill_expert_run_transposed_with_w_broadcast(rows, 
 
 
 @pytest.mark.parametrize("rows", [16, 17, 40, 63, 64, 96, 97])
-@pytest.mark.parametrize("n, k", [(37, 1024), (40, 1000)])
+@pytest.mark.parametrize("n, k", [(37, 1024), (40, 1000), (200, 2050)])  # 2,050: a K tail through the dispatch
 def test_bfloat16_rows_of_a_prefill_expert_run_transposed_where_bf16_is_emulated(rows, n, k):
     """Where the CPU has neither bf16 dot products nor AMX-BF16 (bf16 emulated: the register tiles widen W for every
     tile of rows, and from 64 rows W is widened for the float32 BLAS), bfloat16 linears of 17-96 rows with K >= 1,024
@@ -278,8 +278,9 @@ def test_bfloat16_rows_of_a_prefill_expert_run_transposed_where_bf16_is_emulated
     _close_to_exact(got, x, w, b)
     emulated = kernels.simd == "avx512" and not kernels.bf16_dot and kernels.bf16_tiles == "none"
     takes = emulated and 16 < rows <= 96 and k >= 1024
-    widened = bool(kernels.small_linear_widen_rows) and rows >= kernels.small_linear_widen_rows
-    assert _gemm_calls(lambda: linear(x, w, b)) == (0 if takes or not widened else 1)  # 64-96 rows: not widened
+    if kernels.small_linear_widen_rows:  # bf16 emulated: the tiles up to it, the widened BLAS from it, but where taken
+        widened = rows >= kernels.small_linear_widen_rows
+        assert _gemm_calls(lambda: linear(x, w, b)) == (0 if takes or not widened else 1)  # 64-96 rows: not widened
     if takes:  # the same bits as the kernel called directly (the tiles, below 64 rows, sum in another order)
         assert torch.equal(got, kernels.broadcast_linear(x, w, b))
     if emulated:

@@ -62,19 +62,19 @@ inline void tile(const T* w, int64_t k_len, const float* xt, int64_t ld, float* 
   alignas(64) float widened[kWiden ? NR * kBlock : 1];
   for (int64_t k0 = 0; k0 < k_len; k0 += kBlock) {
     const int64_t k1 = std::min(k_len, k0 + kBlock);
-    const float* wb;  // W's rows at this block: wb[r * wld + k] for k in [k0, k1)
+    const float* wb;  // W's rows from this block's first step: wb[r * wld + (k - k0)] for k in [k0, k1)
     int64_t wld;
     if constexpr (kWiden) {
       for (int r = 0; r < NR; ++r) {
-        const T* src = w + r * k_len;
-        float* dst = widened + r * kBlock - k0;
-        int64_t k = k0;
-        for (; k + kLanes <= k1; k += kLanes) simd::store(dst + k, simd::load(src + k));
-        for (; k < k1; ++k) dst[k] = static_cast<float>(src[k]);
+        const T* src = w + r * k_len + k0;
+        float* dst = widened + r * kBlock;
+        int64_t j = 0;
+        for (; j + kLanes <= k1 - k0; j += kLanes) simd::store(dst + j, simd::load(src + j));
+        for (; j < k1 - k0; ++j) dst[j] = static_cast<float>(src[j]);
       }
-      wb = widened - k0, wld = kBlock;
+      wb = widened, wld = kBlock;
     } else {
-      wb = w, wld = k_len;
+      wb = w + k0, wld = k_len;
     }
     vfloat acc[NR][V];
     for (int r = 0; r < NR; ++r)
@@ -85,7 +85,7 @@ inline void tile(const T* w, int64_t k_len, const float* xt, int64_t ld, float* 
       vfloat xv[V];
       for (int v = 0; v < V; ++v) xv[v] = simd::load(xt + k * ld + v * kLanes);
       for (int r = 0; r < NR; ++r) {
-        const vfloat b = simd::set1(wb[r * wld + k]);
+        const vfloat b = simd::set1(wb[r * wld + (k - k0)]);
         for (int v = 0; v < V; ++v) acc[r][v] = simd::fmadd(b, xv[v], acc[r][v]);
       }
     }

@@ -60,10 +60,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(amx.cpp); without half-precision dot products, bf16/fp16 from 64 rows (128 with AVX2) widen W to float32 for the float32 BLAS "
         "(widened_linear.cpp); other rows go to at::linear (bf16/fp16 rows padded to linear_rows_bucket)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
-  m.def("broadcast_linear", &broadcast_linear, "float32 y = x W^T + b computed transposed, W's values broadcast and W read once in "
-        "place: the routed experts' few dozen rows a prefill step (broadcast_linear.cpp); returns a transposed view",
+  m.def("broadcast_linear", &broadcast_linear, "float32 (or bfloat16, W widened a block at a time) y = x W^T + b computed transposed, "
+        "W's values broadcast and W read once in place: the routed experts' few dozen rows a prefill step (broadcast_linear.cpp)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
-  // the experts' loop gives an expert of float32 rows past small_linear_max_rows and up to this to broadcast_linear (0: never)
+  // linear gives float32 rows past small_linear_max_rows and up to this to broadcast_linear, and bf16 ones where bf16 is
+  // emulated (0: never)
   m.attr("broadcast_linear_max_rows") = pybind11::int_(broadcast_linear_max_rows());
   m.attr("broadcast_linear_min_k") = pybind11::int_(broadcast_linear_min_k());  // and K at least this, x^T within 1 MB
   m.def("linear_rows_bucket", &linear_rows_bucket, "the rows `linear` gives at::linear for this many bf16/fp16 rows it does "

@@ -23,8 +23,8 @@ int64_t small_linear_widen_rows();  // the fewest half-precision rows it widens 
 // BLAS's product, rounded once to x's dtype.
 at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
-// broadcast_linear.cpp: float32 y = x W^T + b computed transposed (y^T = W x^T, W's values broadcast, W read once in
-// place), for the few dozen rows an expert gets in a prefill step.
+// broadcast_linear.cpp: float32 (or bfloat16, W widened a block at a time) y = x W^T + b computed transposed (y^T = W x^T,
+// W's values broadcast, W read once in place), for the few dozen rows an expert gets in a prefill step.
 at::Tensor broadcast_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // float32 rows past small_linear's up to broadcast_linear_max_rows(), K of at least 1024, x^T within 1 MB; bfloat16
 // the same where bf16 is emulated (no bf16 dot products, no AMX-BF16), W widened in L1 a block at a time
