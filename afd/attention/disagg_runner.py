@@ -112,6 +112,15 @@ class DisaggregatedRunner:
         self.learner = CostLearner()  # the auto planner's costs, from this rank's own steps (afd/microbatch/learn.py)
         self.ffn_busy_s = 0.0  # the FFN side's compute of every union the learner was shown
 
+    @property
+    def local_layers(self) -> int:
+        """The leading layers whose FFN half runs here (dense MLPs kept beside attention): the schedule runs each
+        micro-batch through them alone, so the FFN side's first work leaves after one micro-batch's, not all."""
+        config, n = self.model.config, 0
+        while n < config.num_layers and not config.is_moe_layer(n) and self.topology.dense_on == "attention":
+            n += 1
+        return n
+
     # ------------------------------------------------------------------ agreement
     @property
     def waves(self) -> StepPlane | None:
@@ -145,11 +154,12 @@ class DisaggregatedRunner:
         if self.plane is None or solo:
             epoch = 0 if self.plane is None else SOLO_EPOCH + self.endpoint.rank
             plan = local_plan(self._local_step, self.endpoint.rank, spans, self.pipeline, layers, self._cost(), epoch,
-                              self.endpoint.ready_mask, self.endpoint.ready_placement if self.plane is None else -1, learned)
+                              self.endpoint.ready_mask, self.endpoint.ready_placement if self.plane is None else -1, learned,
+                              self.local_layers)
             self._local_step += 1
         else:
             plan = self.plane.agree(spans, self.pipeline, layers, self._cost(), self.endpoint.ready_mask, self.endpoint.ready_placement,
-                                    learned)
+                                    learned, self.local_layers)
         if self.plane is None or not solo:  # what every member has ready is used from this step: a replacement FFN rank,
             self.endpoint.admit(plan.ffn_ready)  # a new expert placement
             if self.endpoint.use(plan.placement) and self.on_placement is not None:
@@ -228,7 +238,7 @@ class DisaggregatedRunner:
         record = observer is not None
         credits = min(self.pipeline.effective_credits, len(mbs)) if len(mbs) > 1 else 1
         learning = self._learning
-        for action in ping_pong(len(mbs), m.config.num_layers, credits):
+        for action in ping_pong(len(mbs), m.config.num_layers, credits, self.local_layers):
             t0 = waited = time.perf_counter()
             mb = mbs[action.microbatch]
             if action.action is Action.ATTENTION:

@@ -104,7 +104,8 @@ class StepPlan:
 
 def decide(epoch: int, step: int, members: Sequence[int], votes: Sequence[Spans], pipeline: PipelineConfig,
            num_layers: int, cost: CostModel, ffn_ready: Sequence[int] = (), placements: Sequence[int] = (),
-           joins: Sequence[Sequence[tuple[int, int]]] = (), learned: Sequence[CostModel | None] = ()) -> StepPlan:
+           joins: Sequence[Sequence[tuple[int, int]]] = (), learned: Sequence[CostModel | None] = (),
+           local_layers: int = 0) -> StepPlan:
     """The step's plan from every member's vote: a pure function, so every member computes the same.
 
     m: 1 in sync mode; with ``auto``, the fastest m for the contributors' batches, each cut by itself
@@ -129,7 +130,7 @@ def decide(epoch: int, step: int, members: Sequence[int], votes: Sequence[Spans]
     estimates: tuple = ()
     if pipeline.adaptive:
         m, estimates = choose_microbatches([v for v in votes if v], pipeline.num_microbatches, num_layers, pipeline.split, cost,
-                                           pipeline.credits)
+                                           pipeline.credits, local_layers=local_layers)
     else:
         m = pipeline.effective_microbatches
     plans = [own_plan(v, m, pipeline, cost) for v in votes if v]
@@ -271,7 +272,7 @@ class StepPlane:
         return True
 
     def agree(self, spans: Spans, pipeline: PipelineConfig, num_layers: int, cost: CostModel, ffn_ready: int = -1,
-              placement: int = 0, learned: CostModel | None = None) -> StepPlan:
+              placement: int = 0, learned: CostModel | None = None, local_layers: int = 0) -> StepPlan:
         """Vote ``spans`` (empty: no work), the FFN ranks this rank has links to, the newest expert placement
         it has installed and its learned cost model (None: none yet) for the next step, and return what every
         member agreed."""
@@ -289,7 +290,7 @@ class StepPlane:
             self.store.delete_key(self._mine.pop(0))
         votes = [decode_vote(v) for v in raw]
         plan = decide(self.epoch, s, self.members, [v[0] for v in votes], pipeline, num_layers, cost, [v[1] for v in votes],
-                      [v[2] for v in votes], [v[3] for v in votes], [v[4] for v in votes])
+                      [v[2] for v in votes], [v[3] for v in votes], [v[4] for v in votes], local_layers)
         self.step += 1
         self.num_votes += 1
         self.num_idle_votes += not spans
@@ -311,8 +312,9 @@ VOTE_POLL_S = 0.2  # a wait for votes looks for dead members this often
 
 
 def local_plan(step: int, rank: int, spans: Spans, pipeline: PipelineConfig, num_layers: int, cost: CostModel,
-               epoch: int = 0, ffn_ready: int = -1, placement: int = -1, learned: CostModel | None = None) -> StepPlan:
+               epoch: int = 0, ffn_ready: int = -1, placement: int = -1, learned: CostModel | None = None,
+               local_layers: int = 0) -> StepPlan:
     """The plan of a rank that agrees with nobody: the only attention rank (epoch 0), or a solo step of
     one rank of several (a capture: its own epoch, ``SOLO_EPOCH + rank``, with its own step numbers)."""
-    return replace(decide(epoch, step, (rank,), (spans,), pipeline, num_layers, cost, (ffn_ready,), (placement,), (), (learned,)),
-                   votes=())
+    return replace(decide(epoch, step, (rank,), (spans,), pipeline, num_layers, cost, (ffn_ready,), (placement,), (), (learned,),
+                          local_layers), votes=())

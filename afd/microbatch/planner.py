@@ -183,25 +183,30 @@ def _fill(prefix: Sequence[float], limit: float, most: int) -> list[tuple[int, i
 # ----------------------------------------------------------------------------- choosing m
 
 
-def simulate_step(plan: MicrobatchPlan, num_layers: int, cost: CostModel, credits: int | None = None) -> float:
+def simulate_step(plan: MicrobatchPlan, num_layers: int, cost: CostModel, credits: int | None = None, local_layers: int = 0) -> float:
     """Estimated time of one step run by the ping-pong schedule: the attention rank executes the
     schedule's steps in order; the FFN side serves dispatches first come, first served; a message
-    takes ``cost.transfer`` each way. (Pure; the schedule is the one the runtime executes.)"""
+    takes ``cost.transfer`` each way. The first ``local_layers`` run their FFN half on the attention rank
+    (a dense MLP there): its time is in the attention cost of a layer, as the learner measures it, and
+    nothing is sent. (Pure; the schedule is the one the runtime executes.)"""
     attn = [cost.attention_cost(piece) for piece in plan.pieces]
     ffn = [cost.ffn_cost(sum(sp.length for sp in piece)) for piece in plan.pieces]
-    return _simulate(attn, ffn, num_layers, cost.transfer, credits)
+    return _simulate(attn, ffn, num_layers, cost.transfer, credits, local_layers)
 
 
-def _simulate(attn: Sequence[float], ffn: Sequence[float], num_layers: int, transfer: float, credits: int | None) -> float:
+def _simulate(attn: Sequence[float], ffn: Sequence[float], num_layers: int, transfer: float, credits: int | None,
+              local_layers: int = 0) -> float:
     """:func:`simulate_step` of micro-batches whose attention and FFN work per layer are ``attn`` and ``ffn``."""
     from afd.microbatch.schedule import Action, ping_pong
 
     m = len(attn)
     t_attn = t_ffn = 0.0
     ready: dict[tuple[int, int], float] = {}
-    for step in ping_pong(m, num_layers, min(credits or m, m)):
+    for step in ping_pong(m, num_layers, min(credits or m, m), local_layers):
         if step.action is Action.ATTENTION:
             t_attn += attn[step.microbatch]
+        elif step.layer < local_layers:
+            pass  # the FFN half computed here: in the layer's attention cost, nothing sent
         elif step.action is Action.DISPATCH:
             t_ffn = max(t_ffn, t_attn + transfer) + ffn[step.microbatch]
             ready[(step.microbatch, step.layer)] = t_ffn + transfer
@@ -218,6 +223,7 @@ def choose_microbatches(
     cost: CostModel = CostModel(),
     credits: int | None = None,
     min_gain: float = 0.03,
+    local_layers: int = 0,
 ) -> tuple[int, tuple[tuple[int, float], ...]]:
     """Adaptive m for a step of several contributors (each attention rank's chunks, non-empty): plan every
     contributor's batch for every m in 1..``max_microbatches`` and simulate the step with the cost model --
@@ -233,7 +239,7 @@ def choose_microbatches(
             break  # no more pieces to be had (one token, or fewer requests than m, on every contributor)
         attn = [max(cost.attention_cost(p.pieces[k]) if k < p.num_microbatches else 0.0 for p in plans) for k in range(m)]
         ffn = [cost.ffn_cost(sum(sp.length for p in plans if k < p.num_microbatches for sp in p.pieces[k])) for k in range(m)]
-        t = _simulate(attn, ffn, num_layers, cost.transfer, credits)
+        t = _simulate(attn, ffn, num_layers, cost.transfer, credits, local_layers)
         estimates.append((m, t))
         if t < best_t * (1 - min_gain):
             best, best_t = m, t

@@ -146,6 +146,18 @@ def test_simulated_step_time_by_hand():
     assert choose_microbatches([[(0, 2)]], 2, 2, "token", cost) == (2, ((1, 8), (2, 5)))
 
 
+def test_simulated_step_with_a_local_first_layer_by_hand():
+    """Three layers, the first one's FFN half on the attention rank (its time in the layer's attention cost, as
+    the learner measures it), 1 unit per token each side: sync takes 3 x 2 + 2 x 2 = 10; two micro-batches, each
+    through the local layer and on to its first dispatch before the next starts, take 7 (the FFN side idle
+    only for micro-batch 0's first two layers)."""
+    cost = CostModel(attn_token=1, attn_context=0, ffn_token=1, attn_call=0, ffn_call=0, transfer=0)
+    one, two = (plan_microbatches([(0, 2)], m, "token", cost) for m in (1, 2))
+    assert simulate_step(one, 3, cost, local_layers=1) == 10 and simulate_step(two, 3, cost, local_layers=1) == 7
+    assert simulate_step(one, 3, cost, local_layers=3) == simulate_step(two, 3, cost, local_layers=3) == 6  # nothing sent
+    assert choose_microbatches([[(0, 2)]], 2, 3, "token", cost, local_layers=1) == (2, ((1, 10), (2, 7)))
+
+
 @settings(max_examples=60, deadline=None)
 @given(chunks=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 40)), min_size=1, max_size=5), m=st.integers(1, 4),
        layers=st.integers(1, 4), costs=st.tuples(*[st.floats(0.01, 5)] * 3, *[st.floats(0, 5)] * 3))

@@ -100,7 +100,8 @@ def test_token_split_cannot_diverge(reference, cut):
 @pytest.mark.procs
 def test_overlap_is_real_and_credits_bound_in_flight(reference):
     """With a slow FFN side, dispatch of (k+1, L) happens before combine of (k, L), in-flight depth reaches
-    min(m, credits), never exceeds the credits -- read from the runtime trace -- and results stay correct."""
+    min(m, credits), never exceeds the credits, micro-batch k is sent to the FFN side before k + 1 starts the
+    dense layers computed here -- read from the runtime trace -- and results stay correct."""
     model, ref_values, ref_logits = reference
     with support.cluster(BUILTIN_MODEL, topology(1, 1, transport="shm"), ENGINE, faults=FaultPlan(ffn_delay=0.02)) as cluster:
         for m, credits in ((2, None), (4, 2), (3, 3)):
@@ -115,6 +116,10 @@ def test_overlap_is_real_and_credits_bound_in_flight(reference):
             for layer in model.config.moe.layers:
                 for k in range(m - 1):
                     assert when[("dispatch", k + 1, layer)].start < when[("combine", k, layer)].start
+            first = min(model.config.moe.layers)  # the dense layers before it run here, each micro-batch alone:
+            assert first > 0  # the FFN side's first work leaves before the next micro-batch starts its dense layers
+            for k in range(m - 1):
+                assert when[("dispatch", k, first)].end < when[("attention", k + 1, 0)].start
             peak = max(e.in_flight for e in events)
             assert peak == min(m, pipeline.effective_credits), (m, credits, peak)
             # a combine is traced as its wait for the slow FFN side, then this rank's own work on the result (the
