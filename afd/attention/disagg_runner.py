@@ -13,8 +13,9 @@ One step:
    built before any of them runs -- each owns its metadata, nothing is shared;
 4. the runner executes the ping-pong schedule: ATTENTION (micro-batch, layer),
    DISPATCH (send the FFN input -- an empty part for an empty micro-batch -- or
-   run a locally placed FFN half), COMBINE (receive, add to the residual), in
-   exactly the order the schedule yields.
+   run a locally placed FFN half), COMBINE (the shared experts kept on this side, computed before
+   the wait so that they overlap the FFN side's routed experts; receive; add both to the residual),
+   in exactly the order the schedule yields.
 
 A step of the wave with no work here is :meth:`DisaggregatedRunner.idle`: a vote,
 no model pass and no message.
@@ -37,6 +38,9 @@ from afd.models.base import MoEModel, Observer
 from afd.microbatch import Action, CostModel, MicrobatchPlan, ping_pong
 from afd.microbatch.learn import CostLearner
 from afd.types import AttentionOutput, Routing
+
+
+WAITED_S = 1e-3  # a combine that took longer waited for its result (a result already there is taken in less)
 
 
 @dataclass(slots=True)
@@ -239,18 +243,18 @@ class DisaggregatedRunner:
         credits = min(self.pipeline.effective_credits, len(mbs)) if len(mbs) > 1 else 1
         learning = self._learning
         for action in ping_pong(len(mbs), m.config.num_layers, credits, self.local_layers):
-            t0 = waited = time.perf_counter()
+            t0 = began = waited = time.perf_counter()
             mb = mbs[action.microbatch]
             if action.action is Action.ATTENTION:
                 self._attention(mb, action.layer, record)
             elif action.action is Action.DISPATCH:
                 self._dispatch(mb, action.layer, step)
             else:
-                waited = self._combine(mb, action.layer, record, learning)
+                began, waited = self._combine(mb, action.layer, record, learning, t0)
             if learning:
-                mb.work_s += time.perf_counter() - waited
+                mb.work_s += (began - t0) + (time.perf_counter() - waited)
             if self.trace is not None:
-                self._traced(action, t0, waited)
+                self._traced(action, t0, began, waited)
         if learning:
             self._learn(step, mbs)
         real = [mb for mb in mbs if not mb.is_empty]
@@ -266,16 +270,18 @@ class DisaggregatedRunner:
                      for mb, piece in zip(mbs, self.last_plan.pieces)]
         ffn = [(step.union_tokens[mb.index], mb.ffn_s / mb.ffn_layers) for mb in mbs if mb.ffn_layers and mb.ffn_s > 0]
         self.ffn_busy_s += sum(mb.ffn_s for mb in mbs)
-        self.learner.observe(attention, ffn, [mb.wire_s / 2 for mb in mbs if mb.ffn_layers])
+        self.learner.observe(attention, ffn, [mb.wire_s / 2 for mb in mbs if mb.wire_s < float("inf")])
 
-    def _traced(self, action, t0: float, waited: float) -> None:
-        """A schedule step into the trace; a combine as its wait for the FFN output ("combine") and the work here
-        after it ("merge": the shared experts when they run on this side, the residual), so that the trace tells
-        this rank's work from its waiting."""
+    def _traced(self, action, t0: float, began: float, waited: float) -> None:
+        """A schedule step into the trace; a combine as this rank's work before its wait ("shared": the shared
+        experts when they run on this side), its wait for the FFN output ("combine") and the work here after it
+        ("merge": the residual), so that the trace tells this rank's work from its waiting."""
         end = time.perf_counter()
         args = (action.microbatch, action.layer, self.seq, self.endpoint.num_in_flight)
         if action.action is Action.COMBINE:
-            self.trace.append(TraceEvent(t0, waited, "combine", *args))
+            if began > t0:
+                self.trace.append(TraceEvent(t0, began, "shared", *args))
+            self.trace.append(TraceEvent(began, waited, "combine", *args))
             self.trace.append(TraceEvent(waited, end, "merge", *args))
         else:
             self.trace.append(TraceEvent(t0, end, action.action.value, *args))
@@ -313,15 +319,24 @@ class DisaggregatedRunner:
         mb.handle = self.endpoint.dispatch(layer, self.seq, mb.ffn_input, mb.routing, is_moe, microbatch=mb.index,
                                            epoch=step.epoch, members=step.mask, token_ids=token_ids)
 
-    def _combine(self, mb: _Microbatch, layer: int, record: bool, learning: bool = False) -> float:
-        """Wait for the FFN output and merge it; returns when the wait ended (perf_counter). ``learning``: the
-        FFN side's compute and the round trip's rest are kept for the cost learner."""
+    def _combine(self, mb: _Microbatch, layer: int, record: bool, learning: bool = False,
+                 started: float = 0.0) -> tuple[float, float]:
+        """Wait for the FFN output and merge it; returns when the wait began (``started``, when nothing ran before
+        it) and when it ended (perf_counter).
+        The shared experts, when they run here, are computed before the wait (they need only the FFN input), so
+        they overlap the FFN side's routed experts rather than follow them. ``learning``: the FFN side's compute
+        and the round trip's rest are kept for the cost learner."""
         m, t = self.model, self.topology
         if mb.is_empty:
+            began = time.perf_counter()
             if mb.handle is not None:
                 self.endpoint.combine(mb.handle, m.config.hidden_size, m.model.embed_tokens.weight.dtype)  # no rows: nothing comes
             mb.handle = mb.ffn_input = mb.routing = None
-            return time.perf_counter()
+            return began, time.perf_counter()
+        shared, began = None, started
+        if mb.handle is not None and m.config.is_moe_layer(layer) and t.shared_experts_on == "attention":
+            shared = m.shared_experts(layer, mb.ffn_input)
+            began = time.perf_counter()
         if mb.handle is None:
             y, waited = mb.local_out, time.perf_counter()
         else:
@@ -330,16 +345,15 @@ class DisaggregatedRunner:
             if learning:
                 mb.ffn_s += mb.handle.ffn_busy_s
                 mb.ffn_layers += 1
-                mb.wire_s = min(mb.wire_s, waited - mb.handle.sent_at - mb.handle.ffn_busy_s)
-            if m.config.is_moe_layer(layer) and t.shared_experts_on == "attention":
-                shared = m.shared_experts(layer, mb.ffn_input)
-                if shared is not None:
-                    y = y + shared
+                if shared is None or waited - began > WAITED_S:  # else it came during the shared experts: unknown when
+                    mb.wire_s = min(mb.wire_s, waited - mb.handle.sent_at - mb.handle.ffn_busy_s)
+            if shared is not None:
+                y = y + shared
         mb.hidden = m.merge(layer, AttentionOutput(mb.residual, mb.ffn_input, mb.mix), y)
         mb.handle = mb.local_out = mb.routing = mb.residual = mb.ffn_input = mb.mix = None
         if record:
             mb.captured[(layer, "ffn_output")] = mb.hidden
-        return waited
+        return began, waited
 
     def _emit(self, mbs: list[_Microbatch], hidden: torch.Tensor, observer: Observer) -> None:
         """Captured boundaries in the batch's token order (micro-batches are contiguous pieces of it)."""

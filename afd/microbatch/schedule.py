@@ -28,7 +28,7 @@ from typing import Iterator
 class Action(enum.Enum):
     ATTENTION = "attention"  # attention half of (micro-batch, layer), incl. router
     DISPATCH = "dispatch"  # send the FFN input (or run the FFN half locally)
-    COMBINE = "combine"  # wait for the FFN output and add it to the residual
+    COMBINE = "combine"  # the shared experts kept here, then wait for the FFN output; add both to the residual
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,12 +122,21 @@ def test_overlap_is_real_and_credits_bound_in_flight(reference):
                 assert when[("dispatch", k, first)].end < when[("attention", k + 1, 0)].start
             peak = max(e.in_flight for e in events)
             assert peak == min(m, pipeline.effective_credits), (m, credits, peak)
-            # a combine is traced as its wait for the slow FFN side, then this rank's own work on the result (the
-            # shared experts, the residual): what `afd bench pipeline` counts as busy
-            merges = {(e.microbatch, e.layer, e.seq): e for e in events if e.action == "merge"}
+            # a combine is traced as this rank's shared experts (computed before the wait: they need only the FFN
+            # input), its wait for the slow FFN side, then its own work on the result (the residual): what
+            # `afd bench pipeline` counts as busy is the first and the last
+            merges, shared = traced(events, "merge"), traced(events, "shared")
             combines = [e for e in events if e.action == "combine"]
             assert combines and all(merges[(e.microbatch, e.layer, e.seq)].start == e.end for e in combines)
             assert sum(e.end - e.start for e in merges.values()) < sum(e.end - e.start for e in combines)
+            moe = [e for e in combines if e.layer in model.config.moe.layers]
+            assert moe and all(shared[(e.microbatch, e.layer, e.seq)].end == e.start for e in moe)
+            assert not any(key[1] not in model.config.moe.layers for key in shared)  # a dense layer has none
+
+
+def traced(events, action: str) -> dict:
+    """The trace's events of one action by (micro-batch, layer, step)."""
+    return {(e.microbatch, e.layer, e.seq): e for e in events if e.action == action}
 
 
 def test_impossible_split_degrades_explicitly(reference):
