@@ -40,9 +40,6 @@ from afd.microbatch.learn import CostLearner
 from afd.types import AttentionOutput, Routing
 
 
-WAITED_S = 1e-3  # a combine that took longer waited for its result (a result already there is taken in less)
-
-
 @dataclass(slots=True)
 class _Microbatch:
     """The state of one micro-batch through the layers (owned by it alone)."""
@@ -242,7 +239,8 @@ class DisaggregatedRunner:
         record = observer is not None
         credits = min(self.pipeline.effective_credits, len(mbs)) if len(mbs) > 1 else 1
         learning = self._learning
-        for action in ping_pong(len(mbs), m.config.num_layers, credits, self.local_layers):
+        local = self.local_layers
+        for action in ping_pong(len(mbs), m.config.num_layers, credits, local):
             t0 = began = waited = time.perf_counter()
             mb = mbs[action.microbatch]
             if action.action is Action.ATTENTION:
@@ -254,7 +252,7 @@ class DisaggregatedRunner:
             if learning:
                 mb.work_s += (began - t0) + (time.perf_counter() - waited)
             if self.trace is not None:
-                self._traced(action, t0, began, waited)
+                self._traced(action, t0, began, waited, action.layer < local)
         if learning:
             self._learn(step, mbs)
         real = [mb for mb in mbs if not mb.is_empty]
@@ -270,12 +268,13 @@ class DisaggregatedRunner:
                      for mb, piece in zip(mbs, self.last_plan.pieces)]
         ffn = [(step.union_tokens[mb.index], mb.ffn_s / mb.ffn_layers) for mb in mbs if mb.ffn_layers and mb.ffn_s > 0]
         self.ffn_busy_s += sum(mb.ffn_s for mb in mbs)
-        self.learner.observe(attention, ffn, [mb.wire_s / 2 for mb in mbs if mb.wire_s < float("inf")])
+        self.learner.observe(attention, ffn, [mb.wire_s / 2 for mb in mbs if mb.ffn_layers])
 
-    def _traced(self, action, t0: float, began: float, waited: float) -> None:
+    def _traced(self, action, t0: float, began: float, waited: float, local: bool) -> None:
         """A schedule step into the trace; a combine as this rank's work before its wait ("shared": the shared
         experts when they run on this side), its wait for the FFN output ("combine") and the work here after it
-        ("merge": the residual), so that the trace tells this rank's work from its waiting."""
+        ("merge": the residual), so that the trace tells this rank's work from its waiting. A local layer's dispatch
+        sends nothing: it is traced as what it is, the FFN half computed here ("local_ffn")."""
         end = time.perf_counter()
         args = (action.microbatch, action.layer, self.seq, self.endpoint.num_in_flight)
         if action.action is Action.COMBINE:
@@ -284,7 +283,8 @@ class DisaggregatedRunner:
             self.trace.append(TraceEvent(began, waited, "combine", *args))
             self.trace.append(TraceEvent(waited, end, "merge", *args))
         else:
-            self.trace.append(TraceEvent(t0, end, action.action.value, *args))
+            name = "local_ffn" if local and action.action is Action.DISPATCH else action.action.value
+            self.trace.append(TraceEvent(t0, end, name, *args))
 
     def _attention(self, mb: _Microbatch, layer: int, record: bool) -> None:
         m, t = self.model, self.topology
@@ -319,8 +319,7 @@ class DisaggregatedRunner:
         mb.handle = self.endpoint.dispatch(layer, self.seq, mb.ffn_input, mb.routing, is_moe, microbatch=mb.index,
                                            epoch=step.epoch, members=step.mask, token_ids=token_ids)
 
-    def _combine(self, mb: _Microbatch, layer: int, record: bool, learning: bool = False,
-                 started: float = 0.0) -> tuple[float, float]:
+    def _combine(self, mb: _Microbatch, layer: int, record: bool, learning: bool, started: float) -> tuple[float, float]:
         """Wait for the FFN output and merge it; returns when the wait began (``started``, when nothing ran before
         it) and when it ended (perf_counter).
         The shared experts, when they run here, are computed before the wait (they need only the FFN input), so
@@ -328,15 +327,14 @@ class DisaggregatedRunner:
         and the round trip's rest are kept for the cost learner."""
         m, t = self.model, self.topology
         if mb.is_empty:
-            began = time.perf_counter()
             if mb.handle is not None:
                 self.endpoint.combine(mb.handle, m.config.hidden_size, m.model.embed_tokens.weight.dtype)  # no rows: nothing comes
             mb.handle = mb.ffn_input = mb.routing = None
-            return began, time.perf_counter()
+            return started, time.perf_counter()
         shared, began = None, started
         if mb.handle is not None and m.config.is_moe_layer(layer) and t.shared_experts_on == "attention":
             shared = m.shared_experts(layer, mb.ffn_input)
-            began = time.perf_counter()
+            began = started if shared is None else time.perf_counter()
         if mb.handle is None:
             y, waited = mb.local_out, time.perf_counter()
         else:
@@ -345,8 +343,8 @@ class DisaggregatedRunner:
             if learning:
                 mb.ffn_s += mb.handle.ffn_busy_s
                 mb.ffn_layers += 1
-                if shared is None or waited - began > WAITED_S:  # else it came during the shared experts: unknown when
-                    mb.wire_s = min(mb.wire_s, waited - mb.handle.sent_at - mb.handle.ffn_busy_s)
+                # at most the round trip's rest: a result that came while the shared experts ran is taken after them
+                mb.wire_s = min(mb.wire_s, waited - mb.handle.sent_at - mb.handle.ffn_busy_s)
             if shared is not None:
                 y = y + shared
         mb.hidden = m.merge(layer, AttentionOutput(mb.residual, mb.ffn_input, mb.mix), y)

@@ -209,7 +209,7 @@ def _print_aggregation(results: dict[str, dict], args, label: str) -> None:
 def _run_interleaved(model_dir: Path, args, pipelines: dict[str, PipelineConfig], prompts, forks) -> dict[str, dict]:
     """Every split mode on one launch, one run of each per round after a warm-up of each: medians of step time.
     Every run is traced. A sync run gives the overlap's ideal for its round, (T_attn + T_ffn) / max(T_attn,
-    T_ffn), T_attn the attention rank's own work in its trace (attention, dispatch, merge) and T_ffn the FFN
+    T_ffn), T_attn the attention rank's own work in its trace (pipeline_trace.BUSY) and T_ffn the FFN
     rank's busy time (its computed unions' spans) within the run; what is neither (transfers, wake-ups, the
     engine between steps) is reported as its slack. An async run gives its split's cost: each side's work
     against the sync run's of the round, and the best the split's own work allows, (T_attn + T_ffn of the sync

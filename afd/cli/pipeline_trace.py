@@ -7,7 +7,7 @@ A run's window is (start, end, the attention rank's busy seconds in its trace); 
 
 from __future__ import annotations
 
-BUSY = ("attention", "dispatch", "shared", "merge")  # the attention rank's own work in its trace (the rest: waiting on the FFN side)
+BUSY = ("attention", "local_ffn", "dispatch", "shared", "merge")  # the attention rank's own work in its trace (the rest: waiting on the FFN side)
 
 
 def run_window(events) -> tuple[float, float, float]:

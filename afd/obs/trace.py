@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 INSTANTS = ("degraded", "plan", "ffn_lost", "ffn_joined", "placement")  # drawn as instants, with their note
-COLORS = {"attention": "#4C72B0", "dispatch": "#DD8452", "combine": "#55A868", "shared": "#937860", "merge": "#8C8C8C", "ffn": "#C44E52", "degraded": "#8172B3"}
+COLORS = {"attention": "#4C72B0", "local_ffn": "#DA8BC3", "dispatch": "#DD8452", "combine": "#55A868", "shared": "#937860", "merge": "#8C8C8C", "ffn": "#C44E52", "degraded": "#8172B3"}
 
 
 def chrome_trace(attention: dict[str, Sequence], ffn: dict[str, Sequence[tuple]]) -> dict:

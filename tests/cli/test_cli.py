@@ -77,8 +77,9 @@ def test_trace_records_both_roles_per_layer_and_microbatch(tmp_path):
 
     cfg = load_model_config(BUILTIN_MODEL)
     for layer in range(cfg.num_layers):
+        sent = "dispatch" if cfg.is_moe_layer(layer) else "local_ffn"  # a dense layer's MLP runs here: nothing is sent
         for mb in (0, 1):
-            assert {("attention", layer, mb), ("dispatch", layer, mb), ("combine", layer, mb)} <= attn
+            assert {("attention", layer, mb), (sent, layer, mb), ("combine", layer, mb)} <= attn
     ffn_layers = {e["args"]["layer"] for e in spans if names[e["pid"]].startswith("ffn")}
     assert ffn_layers == set(cfg.moe.layers)
     png = tmp_path / "t.png"

@@ -266,6 +266,52 @@ def test_float32_prefill_experts_run_transposed_with_no_aten_op_per_expert(held,
         assert torch.equal(got[2], want), (got[2] - want).abs().max()
 
 
+@pytest.mark.parametrize("held", [list(range(8)), [0, 1, 3, 6]])
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_bfloat16_prefill_experts_run_transposed_where_bf16_is_emulated(held, gpt_oss):
+    """bf16 experts past decode sizes, on a CPU without bf16 dot products or AMX-BF16 (bf16 emulated), take the same
+    loop as float32's: x's rows widened as they are gathered, W widened in L1 a block at a time, the rest in float32
+    and the output rounded to bf16 once. An expert past the 96 columns x^T holds goes through in equal pieces, each
+    transposed (110 rows here: two of 55), so no BLAS: the thread count changes no bit, no ATen op runs per expert,
+    and the result is at least as close to float64 as the Python loop, which rounds after every op. Elsewhere the
+    ATen loop bit for bit (bf16 dot products, AVX2 builds), or AMX's tiles against float64 as loosely as the loop."""
+    kernels = native_ops()
+    assert kernels is not None, "afd/kernels did not build here"
+    hidden, inter = 1024, 1536
+    num_tokens = 150
+    t = torch.arange(num_tokens)
+    ids = torch.stack([torch.where(t < 110, 0, 3 + t % 5), 1 + t % 2], dim=1)
+    ids[::5, 1] = -1  # slots routed elsewhere
+    weights = torch.rand(num_tokens, 2, generator=torch.Generator().manual_seed(8))
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(9)).bfloat16()
+    experts = make_experts(held, hidden=hidden, inter=inter, gpt_oss=gpt_oss, dtype=torch.bfloat16)
+    emulated = bool(kernels.broadcast_linear_max_rows) and kernels.bf16_tiles == "none" and not kernels.bf16_dot
+    ops = _aten_ops(lambda: experts(x, ids, weights))
+    threads = torch.get_num_threads()
+    try:
+        got = {}
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got[n] = experts(x, ids, weights)
+    finally:
+        torch.set_num_threads(threads)
+    assert got[2].dtype == torch.bfloat16
+    dense = _dense_by_expert(experts, x, ids, weights)
+    loop = (experts.reference(x, ids, weights).double() - dense).abs().max()
+    err = (got[2].double() - dense).abs().max()
+    if emulated:
+        assert not ops & {"aten::silu", "aten::sigmoid", "aten::index_select", "aten::index_put_", "aten::mm"}, ops
+        assert torch.equal(got[1], got[2]) and torch.equal(got[1], got[3])
+        assert err <= loop, (err, loop)
+        # one rounding to bf16 (up to 2^-8 of a value) and float32's sums: within 2^-7 of the largest output
+        assert err <= dense.abs().max() / 128, (err, dense.abs().max())
+    elif kernels.bf16_tiles == "none":  # bf16 dot products or an AVX2 build: the ATen loop, the Python loop's ops bit for bit
+        assert {"aten::index_select", "aten::index_put_"} <= ops, ops
+        assert torch.equal(got[2], experts.reference(x, ids, weights))
+    else:  # AMX-BF16's tiles (the activation rounded to bf16 for the down GEMM)
+        assert err <= 2 * loop + 1e-2 * dense.abs().max()
+
+
 def test_native_experts_refuse_an_expert_id_out_of_range():
     experts = make_experts(list(range(8)))
     ids = torch.tensor([[0, 8]])  # local index 8 of 8 experts

@@ -132,6 +132,12 @@ void product(const T* w, int64_t n_len, int64_t k_len, const float* xt, int64_t 
   });
 }
 
+template <typename T>
+void gemm_t(const T* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* yt) {
+  TORCH_CHECK(ld % kLanes == 0 && ld <= broadcast_gemm_max_cols(k_len), "broadcast_gemm_t: x^T [", k_len, ", ", ld, "]");
+  product(w, n_len, k_len, xt, ld, ld, yt, ld, 1);
+}
+
 }  // namespace
 
 int64_t broadcast_gemm_max_cols(int64_t k_len) {
@@ -139,8 +145,11 @@ int64_t broadcast_gemm_max_cols(int64_t k_len) {
 }
 
 void broadcast_gemm_t(const float* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* yt) {
-  TORCH_CHECK(ld % kLanes == 0 && ld <= broadcast_gemm_max_cols(k_len), "broadcast_gemm_t: x^T [", k_len, ", ", ld, "]");
-  product(w, n_len, k_len, xt, ld, ld, yt, ld, 1);
+  gemm_t(w, n_len, k_len, xt, ld, yt);
+}
+
+void broadcast_gemm_t(const c10::BFloat16* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* yt) {
+  gemm_t(w, n_len, k_len, xt, ld, yt);
 }
 
 bool broadcast_linear_takes(at::ScalarType dtype, int64_t rows, int64_t k_len) {
@@ -148,7 +157,7 @@ bool broadcast_linear_takes(at::ScalarType dtype, int64_t rows, int64_t k_len) {
   // bfloat16 where the CPU has neither bf16 dot products nor AMX-BF16 (bf16 emulated): W widened in L1 a block at a
   // time, 17-96 rows of V2-Lite's 2048 -> 2816 with W from memory 1.2-2.1x the register tiles (to 63 rows) and W
   // widened for the BLAS (from 64)
-  const bool bf16 = dtype == at::kBFloat16 && !small_linear_bf16_dot() && !amx_bf16_usable();
+  const bool bf16 = dtype == at::kBFloat16 && bf16_emulated();
   return (dtype == at::kFloat || bf16) && rows > small_linear_max_rows() && rows <= kMaxRows && k_len >= kMinK &&
          k_len * ld * int64_t{sizeof(float)} <= kMaxXtBytes;
 }
@@ -191,6 +200,10 @@ int64_t broadcast_linear_min_k() { return 0; }
 int64_t broadcast_gemm_max_cols(int64_t) { return 0; }
 
 void broadcast_gemm_t(const float*, int64_t, int64_t, const float*, int64_t, float*) {
+  TORCH_CHECK(false, "broadcast_gemm_t: built without AVX-512 or AVX2");
+}
+
+void broadcast_gemm_t(const c10::BFloat16*, int64_t, int64_t, const float*, int64_t, float*) {
   TORCH_CHECK(false, "broadcast_gemm_t: built without AVX-512 or AVX2");
 }
 

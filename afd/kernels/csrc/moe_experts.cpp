@@ -14,8 +14,9 @@
 //   The experts run side by side on the threads where their rows are spread (AMX: V2-Lite's 64 experts 1.13x at 48
 //   tokens, the built-in model's 8 1.3-2.8x; register tiles: one parallel region a call instead of two a GEMM, the
 //   built-in model's 32-token decode 1.08 -> 0.24 ms a layer).
-// * float32 experts past decode sizes whose H and I are at least 1,024 (AVX-512 builds): one C++ loop over scratch
-//   buffers, an expert's rows kept transposed from x^T to its weighted output (moe_experts_transposed.cpp).
+// * float32 experts past decode sizes whose H and I are at least 1,024 (AVX-512 builds), and bfloat16 ones where bf16
+//   is emulated (no bf16 dot products, no AMX-BF16): one C++ loop over scratch buffers, an expert's rows kept
+//   transposed from x^T to its weighted output (moe_experts_transposed.cpp).
 // * Otherwise (prefill, or neither instruction set): the same ATen ops, in the same order, as GroupedExperts.reference's
 //   per-expert loop (afd/models/layers.py), without a Python round trip per op, so bit for bit its output
 //   (its GEMMs are small_linear's, which the loop's ``linear`` calls too).

@@ -69,8 +69,9 @@ struct Grouped {
 
 Grouped group_by_expert(const at::Tensor& local_ids, int64_t num_experts);
 
-// moe_experts_transposed.cpp: float32 experts past decode sizes in one loop, an expert of a few dozen rows kept
-// transposed end to end (its top says how); whether it takes x and experts of H -> I -> H, and the loop.
+// moe_experts_transposed.cpp: float32 experts past decode sizes in one loop (bfloat16 where it is emulated), an expert
+// of a few dozen rows kept transposed end to end (its top says how); whether it takes x and experts of H -> I -> H, and
+// the loop.
 bool experts_take_transposed(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const ExpertMath& math);
 at::Tensor experts_transposed(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
                               const Grouped& grouped, int64_t k, const ExpertMath& math);

@@ -1,4 +1,5 @@
-// float32 routed experts past decode sizes (a prefill step's few dozen rows an expert), computed transposed end to end.
+// float32 routed experts past decode sizes (a prefill step's few dozen rows an expert), computed transposed end to end;
+// bfloat16 ones too where the CPU emulates bf16 (below).
 //
 // broadcast_linear.cpp computes an expert's GEMM as y^T = W . x^T, W read once in place. Called per GEMM from the
 // ATen loop it transposes x in and y out each time, and the loop around it (a gather, silu, mul, the weighting, the
@@ -24,6 +25,13 @@
 // path does. Taken for float32 x and contiguous float32 experts where x^T of H and of I rows can hold a vector of
 // columns or more (broadcast_gemm_max_cols: H and I from 1,024 to 16,384, in AVX-512 builds); other float32 experts
 // past decode sizes keep the ATen loop.
+//
+// bfloat16 where it is emulated (no bf16 dot products, no AMX-BF16: there bf16 has faster paths of its own): x's rows
+// widened to float32 as they are gathered, W widened in L1 a block at a time by broadcast_gemm_t, the activation and
+// the sums in float32, and the output rounded to bf16 once (the ATen loop and its Python twin round after every op, so
+// this is the closer to float64 of the two, not their bits). No BLAS: an expert past what x^T holds goes through in
+// equal pieces (V2-Lite's 97-192 rows: two pieces), each transposed, and the result does not depend on the thread
+// count at all. V2-Lite's 64 experts at 512 / 1,024 tokens, 1 thread: 520 -> 433 ms, 919 -> 830 ms a call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
@@ -31,6 +39,7 @@
 #include <algorithm>
 #include <functional>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "moe_experts.h"
@@ -54,28 +63,33 @@ int64_t max_cols(int64_t hidden, int64_t inter) {
 }  // namespace
 
 bool experts_take_transposed(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const ExpertMath& math) {
-  return x.scalar_type() == at::kFloat && gate_up.scalar_type() == at::kFloat && down.scalar_type() == at::kFloat &&
+  const auto dtype = x.scalar_type();
+  return (dtype == at::kFloat || (dtype == at::kBFloat16 && bf16_emulated())) && gate_up.scalar_type() == dtype && down.scalar_type() == dtype &&
          gate_up.is_contiguous() && down.is_contiguous() && !math.gate_up_scales && x.dim() == 2 && down.dim() == 3 &&
          max_cols(x.size(1), down.size(2)) > 0;
 }
 
-at::Tensor experts_transposed(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
-                              const Grouped& grouped, int64_t k, const ExpertMath& math) {
-  const c10::NoGradGuard no_grad;  // the BLAS's out= form refuses weights that require grad (nn.Parameter's default)
+namespace {
+
+// T: float32, or bfloat16 where it is emulated (W widened in L1 by broadcast_gemm_t, x as it is gathered)
+template <typename T>
+at::Tensor experts_loop(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
+               const Grouped& grouped, int64_t k, const ExpertMath& math) {
+  constexpr bool kFloat = std::is_same_v<T, float>;
   const int64_t hidden = x.size(1), inter = down.size(2), num_experts = gate_up.size(0);
   const int64_t most_cols = max_cols(hidden, inter);
-  const at::Tensor x32 = x.contiguous(), w32 = weights.to(at::kFloat).contiguous();
-  const float* xs = x32.data_ptr<float>();
+  const at::Tensor xc = x.contiguous(), w32 = weights.to(at::kFloat).contiguous();
+  const T* xs = xc.data_ptr<T>();
   const float* ws = w32.data_ptr<float>();
   at::Tensor b1, b2;  // the biases in float32, or undefined
   if (math.gate_up_bias) b1 = math.gate_up_bias->to(at::kFloat).contiguous();
   if (math.down_bias) b2 = math.down_bias->to(at::kFloat).contiguous();
-  at::Tensor out = at::zeros({x.size(0), hidden}, x.options());
-  if (grouped.most == 0) return out;  // no row held here
+  at::Tensor out = at::zeros({x.size(0), hidden}, x.options().dtype(at::kFloat));  // bf16's rounded once, at the end
+  if (grouped.most == 0) return kFloat ? out : out.to(x.scalar_type());  // no row held here
   float* os = out.data_ptr<float>();
   // an expert's rows: x^T (or x), gate and up, the activation, y^T (or y); [H, ld] transposed, [rows, H] row-major;
   // every element read is written first (the padding columns included)
-  const int64_t cap = std::max(most_cols, grouped.most);
+  const int64_t cap = kFloat ? std::max(most_cols, grouped.most) : most_cols;
   const auto buffer = [](int64_t n) { return std::unique_ptr<float[]>(new float[n]); };
   const auto xt = buffer(hidden * cap), gt = buffer(2 * inter * cap), act = buffer(inter * cap), yt = buffer(hidden * cap);
   const auto blocks = [&](const std::function<void(int64_t, int64_t)>& run) {  // H in blocks of kBlockCols, over the threads
@@ -83,67 +97,82 @@ at::Tensor experts_transposed(const at::Tensor& x, const at::Tensor& weights, co
       for (int64_t b = b0; b < b1_; ++b) run(b * kBlockCols, std::min(hidden, (b + 1) * kBlockCols));
     });
   };
+  // an expert's rows in pieces: one, but for bfloat16 past what x^T holds (no BLAS for it: equal pieces, each transposed)
   for (int64_t e = 0; e < num_experts; ++e) {
-    const int64_t n = grouped.count[e + 1] - grouped.count[e];
-    if (n == 0) continue;
-    const int64_t* slot_rows = grouped.rows.data() + grouped.count[e];
-    // transposed where broadcast_linear would take the rows (past the register tiles, x^T within its bound); else
-    // row-major (ld = 1), on the register tiles or the BLAS, as small_linear gives them
-    const bool transposed = n > small_linear_max_rows() && n <= most_cols;
-    const int64_t ld = transposed ? (n + kLanes - 1) / kLanes * kLanes : 1, rs = transposed ? 1 : hidden;  // x^T[h][i] at h * ld + i * rs
-    blocks([&](int64_t h0, int64_t h1) {  // the rows gathered (as columns, the padding zeros)
-      for (int64_t i = 0; i < n; ++i) {
-        const float* src = xs + (slot_rows[i] / k) * hidden;
-        for (int64_t h = h0; h < h1; ++h) xt[h * ld + i * rs] = src[h];
-      }
-      if (transposed)
-        for (int64_t h = h0; h < h1; ++h) std::fill(xt.get() + h * ld + n, xt.get() + (h + 1) * ld, 0.f);
-    });
-    const at::Tensor w1 = gate_up[e], w2 = down[e];
-    const auto product = [&](const at::Tensor& w, const float* in, int64_t k_len, float* dst) {
-      const int64_t n_len = w.size(0);
-      if (transposed) {
-        broadcast_gemm_t(w.data_ptr<float>(), n_len, k_len, in, ld, dst);
-      } else if (!small_linear_takes(at::kFloat, n) || !small_gemm(in, n, k_len, w, dst)) {
-        const auto f32 = at::TensorOptions().dtype(at::kFloat);
-        at::Tensor o = at::from_blob(dst, {n, n_len}, f32);
-        at::mm_out(o, at::from_blob(const_cast<float*>(in), {n, k_len}, f32), w.t());
-      }
-    };
-    product(w1, xt.get(), hidden, gt.get());
-    // the activation: gate and up of channel r lie I x ld apart (transposed) or I apart in a row (row-major)
-    const int64_t units = transposed ? inter : n;
-    at::parallel_for(0, units, transposed ? 64 : 4, [&](int64_t u0, int64_t u1) {
-      if (b1.defined()) {  // the gate_up bias first
-        const float* b = b1.data_ptr<float>() + e * 2 * inter;
-        if (transposed) {
-          for (int64_t r = u0; r < u1; ++r)
-            for (const int64_t row : {r, inter + r})
-              for (int64_t i = 0; i < ld; ++i) gt[row * ld + i] += b[row];
-        } else {
-          for (int64_t i = u0; i < u1; ++i)
-            for (int64_t c = 0; c < 2 * inter; ++c) gt[i * 2 * inter + c] += b[c];
+    const int64_t rows_e = grouped.count[e + 1] - grouped.count[e];
+    const int64_t parts = kFloat || rows_e <= most_cols ? 1 : (rows_e + most_cols - 1) / most_cols;
+    for (int64_t p = 0, first = 0, n = 0; p < parts; ++p, first += n) {
+      n = rows_e / parts + (p < rows_e % parts ? 1 : 0);
+      if (n == 0) continue;
+      const int64_t* slot_rows = grouped.rows.data() + grouped.count[e] + first;
+      // transposed where broadcast_linear would take the rows (past the register tiles, x^T within its bound); else
+      // row-major (ld = 1), on the register tiles or (float32 only) the BLAS, as small_linear gives them
+      const bool transposed = n > small_linear_max_rows() && n <= most_cols;
+      const int64_t ld = transposed ? (n + kLanes - 1) / kLanes * kLanes : 1, rs = transposed ? 1 : hidden;  // x^T[h][i] at h * ld + i * rs
+      blocks([&](int64_t h0, int64_t h1) {  // the rows gathered (as columns, the padding zeros)
+        for (int64_t i = 0; i < n; ++i) {
+          const T* src = xs + (slot_rows[i] / k) * hidden;
+          for (int64_t h = h0; h < h1; ++h) xt[h * ld + i * rs] = static_cast<float>(src[h]);
         }
-      }
-      if (transposed)
-        activation(gt.get() + u0 * ld, gt.get() + (inter + u0) * ld, act.get() + u0 * ld, (u1 - u0) * ld, math);
-      else
-        for (int64_t i = u0; i < u1; ++i) activation(gt.get() + i * 2 * inter, act.get() + i * inter, inter, math);
-    });
-    product(w2, act.get(), inter, yt.get());
-    const float* bias = b2.defined() ? b2.data_ptr<float>() + e * hidden : nullptr;
-    blocks([&](int64_t h0, int64_t h1) {  // each row, weighted, into its token's
-      for (int64_t i = 0; i < n; ++i) {
-        const float w = ws[slot_rows[i]];
-        float* o = os + (slot_rows[i] / k) * hidden;
-        if (bias != nullptr)  // the expert's bias, then its weight
-          for (int64_t h = h0; h < h1; ++h) o[h] += w * (yt[h * ld + i * rs] + bias[h]);
+        if (transposed)
+          for (int64_t h = h0; h < h1; ++h) std::fill(xt.get() + h * ld + n, xt.get() + (h + 1) * ld, 0.f);
+      });
+      const at::Tensor w1 = gate_up[e], w2 = down[e];
+      const auto product = [&](const at::Tensor& w, const float* in, int64_t k_len, float* dst) {
+        const int64_t n_len = w.size(0);
+        if (transposed) {
+          broadcast_gemm_t(w.data_ptr<T>(), n_len, k_len, in, ld, dst);
+        } else if (!small_linear_takes(at::kFloat, n) || !small_gemm(in, n, k_len, w, dst)) {
+          TORCH_CHECK(kFloat, "experts_transposed: bfloat16 rows for the BLAS");  // never: its pieces fit x^T
+          const auto f32 = at::TensorOptions().dtype(at::kFloat);
+          at::Tensor o = at::from_blob(dst, {n, n_len}, f32);
+          at::mm_out(o, at::from_blob(const_cast<float*>(in), {n, k_len}, f32), w.t());
+        }
+      };
+      product(w1, xt.get(), hidden, gt.get());
+      // the activation: gate and up of channel r lie I x ld apart (transposed) or I apart in a row (row-major)
+      const int64_t units = transposed ? inter : n;
+      at::parallel_for(0, units, transposed ? 64 : 4, [&](int64_t u0, int64_t u1) {
+        if (b1.defined()) {  // the gate_up bias first
+          const float* b = b1.data_ptr<float>() + e * 2 * inter;
+          if (transposed) {
+            for (int64_t r = u0; r < u1; ++r)
+              for (const int64_t row : {r, inter + r})
+                for (int64_t i = 0; i < ld; ++i) gt[row * ld + i] += b[row];
+          } else {
+            for (int64_t i = u0; i < u1; ++i)
+              for (int64_t c = 0; c < 2 * inter; ++c) gt[i * 2 * inter + c] += b[c];
+          }
+        }
+        if (transposed)
+          activation(gt.get() + u0 * ld, gt.get() + (inter + u0) * ld, act.get() + u0 * ld, (u1 - u0) * ld, math);
         else
-          for (int64_t h = h0; h < h1; ++h) o[h] += w * yt[h * ld + i * rs];
-      }
-    });
+          for (int64_t i = u0; i < u1; ++i) activation(gt.get() + i * 2 * inter, act.get() + i * inter, inter, math);
+      });
+      product(w2, act.get(), inter, yt.get());
+      const float* bias = b2.defined() ? b2.data_ptr<float>() + e * hidden : nullptr;
+      blocks([&](int64_t h0, int64_t h1) {  // each row, weighted, into its token's
+        for (int64_t i = 0; i < n; ++i) {
+          const float w = ws[slot_rows[i]];
+          float* o = os + (slot_rows[i] / k) * hidden;
+          if (bias != nullptr)  // the expert's bias, then its weight
+            for (int64_t h = h0; h < h1; ++h) o[h] += w * (yt[h * ld + i * rs] + bias[h]);
+          else
+            for (int64_t h = h0; h < h1; ++h) o[h] += w * yt[h * ld + i * rs];
+        }
+      });
+    }
   }
-  return out;
+  return kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace
+
+at::Tensor experts_transposed(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
+                              const Grouped& grouped, int64_t k, const ExpertMath& math) {
+  const c10::NoGradGuard no_grad;  // the BLAS's out= form refuses weights that require grad (nn.Parameter's default)
+  if (x.scalar_type() == at::kBFloat16) return experts_loop<c10::BFloat16>(x, weights, gate_up, down, grouped, k, math);
+  return experts_loop<float>(x, weights, gate_up, down, grouped, k, math);
 }
 
 }  // namespace afd_moe

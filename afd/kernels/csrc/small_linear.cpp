@@ -326,6 +326,8 @@ bool small_linear_bf16_dot() {
 #endif
 }
 
+bool bf16_emulated() { return !small_linear_bf16_dot() && !amx_bf16_usable(); }
+
 int64_t small_linear_max_rows() { return kMaxRows; }
 
 int64_t small_linear_max_half_rows() { return kMaxHalfRows; }

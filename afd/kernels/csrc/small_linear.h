@@ -34,6 +34,7 @@ int64_t broadcast_linear_min_k();     // 1024
 // Its product on buffers, kept transposed: yt [N, ld] = weight [N, K] (float32, contiguous) . xt [K, ld], ld a multiple
 // of the vector width up to broadcast_gemm_max_cols(K) (0 where K is short or the kernel is not built; xt within 1 MB).
 void broadcast_gemm_t(const float* weight, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* yt);
+void broadcast_gemm_t(const c10::BFloat16* weight, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* yt);  // W widened in L1
 int64_t broadcast_gemm_max_cols(int64_t k_len);
 
 // The rows at::linear is called with for `rows` half-precision rows (small_linear pads them): `rows` up to 16, else
@@ -43,6 +44,7 @@ int64_t linear_rows_bucket(int64_t rows);
 
 bool small_linear_vectorized();  // built with simd.h's register tiles (AVX-512 or AVX2)
 bool small_linear_bf16_dot();    // its tiles take bfloat16 weights with vdpbf16ps (built for AVX512-BF16)
+bool bf16_emulated();            // neither bf16 dot products nor AMX-BF16: bf16 products are float32's on widened values
 int64_t small_linear_max_rows();       // the most float32 rows it takes
 int64_t small_linear_max_half_rows();  // the most bfloat16 / float16 rows its register tiles take
 int64_t small_linear_max_bf16_rows();  // the most bfloat16 rows small_linear computes itself (register or AMX tiles)
