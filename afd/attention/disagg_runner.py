@@ -117,10 +117,14 @@ class DisaggregatedRunner:
     def local_layers(self) -> int:
         """The leading layers whose FFN half runs here (dense MLPs kept beside attention): the schedule runs each
         micro-batch through them alone, so the FFN side's first work leaves after one micro-batch's, not all."""
-        config, n = self.model.config, 0
-        while n < config.num_layers and not config.is_moe_layer(n) and self.topology.dense_on == "attention":
+        n = 0
+        while n < self.model.config.num_layers and self._local(n):
             n += 1
         return n
+
+    def _local(self, layer: int) -> bool:
+        """Whether ``layer``'s FFN half runs on this rank (a dense MLP kept beside attention): nothing is sent."""
+        return not self.model.config.is_moe_layer(layer) and self.topology.dense_on == "attention"
 
     # ------------------------------------------------------------------ agreement
     @property
@@ -239,8 +243,7 @@ class DisaggregatedRunner:
         record = observer is not None
         credits = min(self.pipeline.effective_credits, len(mbs)) if len(mbs) > 1 else 1
         learning = self._learning
-        local = self.local_layers
-        for action in ping_pong(len(mbs), m.config.num_layers, credits, local):
+        for action in ping_pong(len(mbs), m.config.num_layers, credits, self.local_layers):
             t0 = began = waited = time.perf_counter()
             mb = mbs[action.microbatch]
             if action.action is Action.ATTENTION:
@@ -252,7 +255,7 @@ class DisaggregatedRunner:
             if learning:
                 mb.work_s += (began - t0) + (time.perf_counter() - waited)
             if self.trace is not None:
-                self._traced(action, t0, began, waited, action.layer < local)
+                self._traced(action, t0, began, waited, self._local(action.layer))
         if learning:
             self._learn(step, mbs)
         real = [mb for mb in mbs if not mb.is_empty]
@@ -304,7 +307,7 @@ class DisaggregatedRunner:
     def _dispatch(self, mb: _Microbatch, layer: int, step: StepPlan) -> None:
         m, t = self.model, self.topology
         is_moe = m.config.is_moe_layer(layer)
-        if not is_moe and t.dense_on == "attention":
+        if self._local(layer):
             if not mb.is_empty:
                 mb.local_out = m.dense_mlp(layer, mb.ffn_input)
             return

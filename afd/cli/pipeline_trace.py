@@ -57,6 +57,8 @@ def fill_drain(events) -> float:
     for evs in steps.values():
         start, end = min(e.start for e in evs), max(e.end for e in evs)
         dispatches = [e for e in evs if e.action == "dispatch"]
+        if not dispatches:  # nothing sent (every layer computed here): no pipeline to fill
+            continue
         edge += (min(e.start for e in dispatches) - start) + (end - max(e.end for e in dispatches))
         total += end - start
     return edge / total if total else 0.0
