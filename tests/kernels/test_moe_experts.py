@@ -218,6 +218,31 @@ def _dense_by_expert(experts: GroupedExperts, x, ids, weights) -> torch.Tensor:
     return out
 
 
+PREFILL_H, PREFILL_I = 1024, 1536  # at broadcast_linear's K, H != I
+
+
+def _at_threads(fn, counts) -> dict[int, torch.Tensor]:
+    """fn() at each torch thread count of ``counts`` (the count restored after)."""
+    threads = torch.get_num_threads()
+    try:
+        out = {}
+        for n in counts:
+            torch.set_num_threads(n)
+            out[n] = fn()
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _prefill_routing(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, ids, weights) of 150 tokens, top-2 of 8: 110 rows on expert 0, 60 on experts 1 and 2, 8 on the rest."""
+    t = torch.arange(150)
+    ids = torch.stack([torch.where(t < 110, 0, 3 + t % 5), 1 + t % 2], dim=1)
+    ids[::5, 1] = -1  # slots routed elsewhere
+    weights = torch.rand(150, 2, generator=torch.Generator().manual_seed(8))
+    return torch.randn(150, PREFILL_H, generator=torch.Generator().manual_seed(9)).to(dtype), ids, weights
+
+
 @pytest.mark.parametrize("held", [list(range(8)), [0, 1, 3, 6]])
 @pytest.mark.parametrize("gpt_oss", [False, True])
 def test_float32_prefill_experts_run_transposed_with_no_aten_op_per_expert(held, gpt_oss):
@@ -230,14 +255,8 @@ def test_float32_prefill_experts_run_transposed_with_no_aten_op_per_expert(held,
     float64 as the Python loop. Elsewhere (AVX2) the loop's own ATen ops, bit for bit."""
     kernels = native_ops()
     assert kernels is not None, "afd/kernels did not build here"
-    hidden, inter = 1024, 1536
-    num_tokens = 150
-    t = torch.arange(num_tokens)
-    ids = torch.stack([torch.where(t < 110, 0, 3 + t % 5), 1 + t % 2], dim=1)
-    ids[::5, 1] = -1  # slots routed elsewhere
-    weights = torch.rand(num_tokens, 2, generator=torch.Generator().manual_seed(8))
-    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(9))
-    experts = make_experts(held, hidden=hidden, inter=inter, gpt_oss=gpt_oss)
+    x, ids, weights = _prefill_routing(torch.float32)
+    experts = make_experts(held, hidden=PREFILL_H, inter=PREFILL_I, gpt_oss=gpt_oss)
     ops = _aten_ops(lambda: experts(x, ids, weights))
     want = experts.reference(x, ids, weights)
     rows = [int((ids == e).sum()) for e in range(8)]
@@ -277,24 +296,11 @@ def test_bfloat16_prefill_experts_run_transposed_where_bf16_is_emulated(held, gp
     CPUs' own bf16 paths, against float64 as loosely as the loop."""
     kernels = native_ops()
     assert kernels is not None, "afd/kernels did not build here"
-    hidden, inter = 1024, 1536
-    num_tokens = 150
-    t = torch.arange(num_tokens)
-    ids = torch.stack([torch.where(t < 110, 0, 3 + t % 5), 1 + t % 2], dim=1)
-    ids[::5, 1] = -1  # slots routed elsewhere
-    weights = torch.rand(num_tokens, 2, generator=torch.Generator().manual_seed(8))
-    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(9)).bfloat16()
-    experts = make_experts(held, hidden=hidden, inter=inter, gpt_oss=gpt_oss, dtype=torch.bfloat16)
+    x, ids, weights = _prefill_routing(torch.bfloat16)
+    experts = make_experts(held, hidden=PREFILL_H, inter=PREFILL_I, gpt_oss=gpt_oss, dtype=torch.bfloat16)
     emulated = bool(kernels.broadcast_linear_max_rows) and kernels.bf16_tiles == "none" and not kernels.bf16_dot
     ops = _aten_ops(lambda: experts(x, ids, weights))
-    threads = torch.get_num_threads()
-    try:
-        got = {}
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            got[n] = experts(x, ids, weights)
-    finally:
-        torch.set_num_threads(threads)
+    got = _at_threads(lambda: experts(x, ids, weights), (1, 2, 3))
     assert got[2].dtype == torch.bfloat16
     dense = _dense_by_expert(experts, x, ids, weights)
     loop = (experts.reference(x, ids, weights).double() - dense).abs().max()
