@@ -112,15 +112,11 @@ class DisaggregatedRunner:
         self.on_placement = None  # called with the version when an agreed step switches the expert placement
         self.learner = CostLearner()  # the auto planner's costs, from this rank's own steps (afd/microbatch/learn.py)
         self.ffn_busy_s = 0.0  # the FFN side's compute of every union the learner was shown
-
-    @property
-    def local_layers(self) -> int:
-        """The leading layers whose FFN half runs here (dense MLPs kept beside attention): the schedule runs each
-        micro-batch through them alone, so the FFN side's first work leaves after one micro-batch's, not all."""
-        n = 0
-        while n < self.model.config.num_layers and self._local(n):
-            n += 1
-        return n
+        # the leading layers whose FFN half runs here (dense MLPs kept beside attention): the schedule runs each
+        # micro-batch through them alone, so the FFN side's first work leaves after one micro-batch's, not all
+        self.local_layers = 0
+        while self.local_layers < model.config.num_layers and self._local(self.local_layers):
+            self.local_layers += 1
 
     def _local(self, layer: int) -> bool:
         """Whether ``layer``'s FFN half runs on this rank (a dense MLP kept beside attention): nothing is sent."""

@@ -64,9 +64,9 @@ int64_t max_cols(int64_t hidden, int64_t inter) {
 
 bool experts_take_transposed(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const ExpertMath& math) {
   const auto dtype = x.scalar_type();
-  return (dtype == at::kFloat || (dtype == at::kBFloat16 && bf16_emulated())) && gate_up.scalar_type() == dtype && down.scalar_type() == dtype &&
-         gate_up.is_contiguous() && down.is_contiguous() && !math.gate_up_scales && x.dim() == 2 && down.dim() == 3 &&
-         max_cols(x.size(1), down.size(2)) > 0;
+  return (dtype == at::kFloat || (dtype == at::kBFloat16 && bf16_emulated())) && gate_up.scalar_type() == dtype &&
+         down.scalar_type() == dtype && gate_up.is_contiguous() && down.is_contiguous() && !math.gate_up_scales && x.dim() == 2 &&
+         down.dim() == 3 && max_cols(x.size(1), down.size(2)) > 0;
 }
 
 namespace {
@@ -74,7 +74,7 @@ namespace {
 // T: float32, or bfloat16 where it is emulated (W widened in L1 by broadcast_gemm_t, x as it is gathered)
 template <typename T>
 at::Tensor experts_loop(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
-               const Grouped& grouped, int64_t k, const ExpertMath& math) {
+                        const Grouped& grouped, int64_t k, const ExpertMath& math) {
   constexpr bool kFloat = std::is_same_v<T, float>;
   const int64_t hidden = x.size(1), inter = down.size(2), num_experts = gate_up.size(0);
   const int64_t most_cols = max_cols(hidden, inter);
