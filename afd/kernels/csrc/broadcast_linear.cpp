@@ -14,8 +14,8 @@
 // AVX512-BF16 (V2-Lite's 2048 -> 2816 and 1408 -> 2048, 2 threads, W in cache): 1.0-1.9x MKL at 24-96 rows, up to
 // 0.9x of the fp32 peak; in the experts' loop, where W comes from memory, 1.2x (the next tile's W prefetched).
 //
-// x^T's columns are padded to whole vectors with zeros (their outputs are computed and not read). Columns come in
-// panels of up to kV vectors; every panel of a W tile runs while the tile is in L2, so W is read once per call.
+// x^T's columns are padded to whole vectors with zeros (their outputs are computed and not read). Up to 96 columns
+// are one panel (below), so W is read once per call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
@@ -34,11 +34,15 @@ using afd_simd::kLanes;
 using afd_simd::vfloat;
 namespace simd = afd_simd;
 
-// A panel's vectors of columns and a tile's rows of W, for 32 registers (AVX-512: 3 x 9) or 16 (AVX2: 3 x 4):
-// V x NR accumulators + V vectors of x^T + one broadcast. A last panel of fewer vectors keeps NR.
-constexpr int kV = 3;
-constexpr int kNR = afd_simd::kRegisters >= 32 ? 9 : 4;
-static_assert(kV * kNR + kV + 1 <= afd_simd::kRegisters, "a tile that spills");
+// A panel's vectors of columns (V, up to kVMax) and a tile's rows of W (NR), for 32 registers (AVX-512) or 16 (AVX2):
+// V x NR accumulators + V vectors of x^T + one broadcast. Every panel width takes the most rows its registers hold
+// (AVX-512: 2 x 9, 3 x 9, 4 x 6, 5 x 5, 6 x 4), so up to 96 columns are one panel and W is read once, into
+// registers, per call: V2-Lite's 2816 x 2048 at 49-64 rows took 1.55x the time of 33-48 as two panels of 2 x 9 (W's
+// tile read twice, each broadcast feeding two FMAs), where the work is 1.33x.
+constexpr int kVMax = afd_simd::kRegisters >= 32 ? 6 : 3;
+constexpr int kNRMax = 9;  // W's rows streamed at once (and prefetched ahead): 14 at 2 vectors was slower (1.2-1.4x)
+constexpr int nr_for(int v) { return std::min(kNRMax, (afd_simd::kRegisters - 1 - v) / v); }
+static_assert(nr_for(kVMax) >= 1 && nr_for(1) * 1 + 1 + 1 <= afd_simd::kRegisters, "a tile that spills");
 constexpr int64_t kBlock = 256;            // steps of k an accumulator sums before it is added into the tile's sums
 // past 96 rows MKL's packing pays for itself (V2-Lite's shapes: 0.9-1.1x at 128). With AVX2's 16 registers (3 x 4
 // tiles) it is 0.76-0.98x MKL at 48-96 rows (the same VM with MKL held to AVX2): built there, not taken.
@@ -105,31 +109,49 @@ inline void tile(const T* w, int64_t k_len, const float* xt, int64_t ld, float* 
 template <int V, typename T>
 inline void panel(const T* w, int64_t n0, int64_t rows, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t rs,
                   int64_t cs, int64_t cols) {
-  if (rows == kNR) return tile<kNR, V>(w + n0 * k_len, k_len, xt, ld, y + n0 * rs, rs, cs, cols);
+  constexpr int NR = nr_for(V);
+  if (rows == NR) return tile<NR, V>(w + n0 * k_len, k_len, xt, ld, y + n0 * rs, rs, cs, cols);
   for (int64_t n = n0; n < n0 + rows; ++n) tile<1, V>(w + n * k_len, k_len, xt, ld, y + n * rs, rs, cs, cols);
 }
 
-// y^T = W [n_len, K] . x^T [K, ld] over x^T's columns [0, cols), y^T's row n and column c at y[n * rs + c * cs], split
-// over the threads by tiles of W's rows.
+// One panel of V vectors of x^T's columns (from c0, cols of them read) against all of W, split over the threads by
+// tiles of W's rows.
+template <int V, typename T>
+void panel_product(const T* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t rs, int64_t cs,
+                   int64_t cols) {
+  constexpr int NR = nr_for(V);
+  at::parallel_for(0, (n_len + NR - 1) / NR, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * NR;
+      panel<V>(w, n0, std::min<int64_t>(NR, n_len - n0), k_len, xt, ld, y, rs, cs, cols);
+    }
+  });
+}
+
+// y^T = W [n_len, K] . x^T [K, ld] over x^T's columns [0, cols), y^T's row n and column c at y[n * rs + c * cs]. Up to
+// kVMax vectors of columns (AVX-512: 96) are one panel; more (AVX2 only: there it is built, never taken) go in
+// panels of vectors spread evenly, W read once per panel.
 template <typename T>
 void product(const T* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, int64_t cols, float* y, int64_t rs,
              int64_t cs) {
-  // the columns' vectors spread evenly over the fewest panels (64 columns: 2 + 2 vectors, not 3 + 1)
-  const int64_t vectors = ld / kLanes, panels = (vectors + kV - 1) / kV;
-  const auto vectors_of = [&](int64_t p) { return vectors / panels + (p < vectors % panels ? 1 : 0); };
-  const int64_t tiles = (n_len + kNR - 1) / kNR;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * kNR, n = std::min<int64_t>(kNR, n_len - n0);
-      for (int64_t p = 0, c0 = 0; p < panels; c0 += vectors_of(p++) * kLanes) {  // every panel while this tile of W is in cache
-        const int64_t panel_cols = std::min(vectors_of(p) * kLanes, cols - c0);
-        float* yp = y + c0 * cs;
-        if (vectors_of(p) == 3) panel<3>(w, n0, n, k_len, xt + c0, ld, yp, rs, cs, panel_cols);
-        else if (vectors_of(p) == 2) panel<2>(w, n0, n, k_len, xt + c0, ld, yp, rs, cs, panel_cols);
-        else panel<1>(w, n0, n, k_len, xt + c0, ld, yp, rs, cs, panel_cols);
-      }
+  const int64_t vectors = ld / kLanes, panels = (vectors + kVMax - 1) / kVMax;
+  for (int64_t p = 0, c0 = 0; p < panels; ++p) {
+    const int64_t v = vectors / panels + (p < vectors % panels ? 1 : 0), panel_cols = std::min(v * kLanes, cols - c0);
+    const float* xp = xt + c0;
+    float* yp = y + c0 * cs;
+    switch (v) {
+      case 1: panel_product<1>(w, n_len, k_len, xp, ld, yp, rs, cs, panel_cols); break;
+      case 2: panel_product<2>(w, n_len, k_len, xp, ld, yp, rs, cs, panel_cols); break;
+      case 3: panel_product<3>(w, n_len, k_len, xp, ld, yp, rs, cs, panel_cols); break;
+      default:
+        if constexpr (kVMax >= 6) {
+          if (v == 4) panel_product<4>(w, n_len, k_len, xp, ld, yp, rs, cs, panel_cols);
+          else if (v == 5) panel_product<5>(w, n_len, k_len, xp, ld, yp, rs, cs, panel_cols);
+          else panel_product<6>(w, n_len, k_len, xp, ld, yp, rs, cs, panel_cols);
+        }
     }
-  });
+    c0 += v * kLanes;
+  }
 }
 
 template <typename T>

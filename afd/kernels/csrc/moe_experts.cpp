@@ -16,7 +16,8 @@
 //   built-in model's 32-token decode 1.08 -> 0.24 ms a layer).
 // * float32 experts past decode sizes whose H and I are at least 1,024 (AVX-512 builds), and bfloat16 ones where bf16
 //   is emulated (no bf16 dot products, no AMX-BF16): one C++ loop over scratch buffers, an expert's rows kept
-//   transposed from x^T to its weighted output (moe_experts_transposed.cpp).
+//   transposed from x^T to its weighted output (moe_experts_transposed.cpp). Taken first once an expert has more rows
+//   than small_linear's float32 tiles (16), though emulated bf16's tiles would take up to 63.
 // * Otherwise (prefill, or neither instruction set): the same ATen ops, in the same order, as GroupedExperts.reference's
 //   per-expert loop (afd/models/layers.py), without a Python round trip per op, so bit for bit its output
 //   (its GEMMs are small_linear's, which the loop's ``linear`` calls too).
@@ -360,12 +361,14 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
   const int64_t most = grouped.most;
   const auto dtype = x.scalar_type();
   const bool in_dtype = mxfp4 || (gate_up.scalar_type() == dtype && down.scalar_type() == dtype && gate_up.is_contiguous() && down.is_contiguous());
+  // past the register tiles' float32 rows the transposed loop first: emulated bf16's tiles reach 63 rows, where its
+  // experts with 17-63 rows at most ran 1.3-2.1x slower in place (V2-Lite's 64 experts at 128-512 balanced tokens)
+  if (most > small_linear_max_rows() && experts_take_transposed(x, gate_up, down, math))
+    return {experts_transposed(x, weights, gate_up, down, grouped, k, math), at::tensor(per_expert, index_options)};
   if ((small_linear_takes(dtype, most) || experts_take_dot(dtype, most)) && in_dtype)
     return {experts_in_place(x, weights, gate_up, down, count, rows, k, most, math, inter), at::tensor(per_expert, index_options)};
   if (experts_take_tiles(dtype, most, x.size(1), inter) && in_dtype)
     return {experts_in_place(x, weights, gate_up, down, count, rows, k, most, math, inter, true), at::tensor(per_expert, index_options)};
-  if (experts_take_transposed(x, gate_up, down, math))
-    return {experts_transposed(x, weights, gate_up, down, grouped, k, math), at::tensor(per_expert, index_options)};
   auto out = at::zeros({num_tokens * k, x.size(1)}, x.options());  // one row per (token, slot)
   const at::Tensor flat_weights = weights.reshape({-1});
   for (int64_t e = 0; e < num_experts; ++e) {
