@@ -23,25 +23,33 @@ def side_work(window: tuple[float, float, float], spans) -> tuple[float, float]:
     return attn, sum(min(b, end) - max(a, start) for a, b, *_ in spans if b > start and a < end)
 
 
-def overlap_ideals(windows, spans) -> tuple[list[float], list[float]]:
+def overlap_ideals(windows, spans) -> tuple[list[float], list[float], list[float]]:
     """Per sync run (``windows``: (start, end, attention busy seconds)), the overlap's ideal (T_attn + T_ffn) /
-    max(T_attn, T_ffn) and the run's slack 1 - (T_attn + T_ffn) / its length (:func:`side_work`)."""
-    ideals, slack = [], []
+    max(T_attn, T_ffn), the run's slack 1 - (T_attn + T_ffn) / its length (:func:`side_work`), and its reach, its
+    length / max(T_attn, T_ffn): the most any overlap could gain on this run. The ideal assumes a serial sync run;
+    one that already overlaps some of its work (the shared experts beside the FFN side's routed ones) is shorter
+    than T_attn + T_ffn, and then its reach is below the ideal."""
+    ideals, slack, reach = [], [], []
     for window in windows:
         attn, ffn = side_work(window, spans)
+        length = window[1] - window[0]
         ideals.append((attn + ffn) / max(attn, ffn, 1e-9))
-        slack.append(max(0.0, 1 - (attn + ffn) / (window[1] - window[0])))
-    return ideals, slack
+        slack.append(max(0.0, 1 - (attn + ffn) / length))
+        reach.append(length / max(attn, ffn, 1e-9))
+    return ideals, slack, reach
 
 
 def split_costs(sync_windows, split_windows, spans) -> list[dict[str, float]]:
     """Per round, what splitting the step cost each side: its work in the split run over its work in the sync
-    run (``attention``, ``ffn``), and ``bound``, the most the split run could gain on the sync one with its own
-    work overlapped perfectly: (T_attn + T_ffn of the sync run) / max(T_attn, T_ffn of the split run)."""
+    run (``attention``, ``ffn``); ``bound``, the most the split run could gain on the sync one with its own
+    work overlapped perfectly, (T_attn + T_ffn of the sync run) / max(T_attn, T_ffn of the split run); and
+    ``reach``, the same against the sync run's own length (below ``bound`` where the sync run overlaps some work)."""
     out = []
     for sync, split in zip(sync_windows, split_windows):
         (a_s, f_s), (a_m, f_m) = side_work(sync, spans), side_work(split, spans)
-        out.append({"attention": a_m / max(a_s, 1e-9), "ffn": f_m / max(f_s, 1e-9), "bound": (a_s + f_s) / max(a_m, f_m, 1e-9)})
+        most = max(a_m, f_m, 1e-9)
+        out.append({"attention": a_m / max(a_s, 1e-9), "ffn": f_m / max(f_s, 1e-9), "bound": (a_s + f_s) / most,
+                    "reach": (sync[1] - sync[0]) / most})
     return out
 
 

@@ -14,14 +14,22 @@ def test_the_ideal_takes_each_side_s_own_work_within_its_run():
              (2.0, 6.0, 1, (), 8),  # 4 s inside
              (12.0, 18.0, 1, (), 8),  # between the runs (an async run's): in neither
              (21.0, 23.0, 2, (), 8), (29.0, 31.0, 2, (), 8)]  # 2 s, and 1 s of the straddling one
-    ideals, slack = overlap_ideals(windows, spans)
+    ideals, slack, reach = overlap_ideals(windows, spans)
     assert ideals == pytest.approx([(3 + 5) / 5, (6 + 3) / 6])
     assert slack == pytest.approx([1 - 8 / 10, 1 - 9 / 10])
+    assert reach == pytest.approx([10 / 5, 10 / 6])  # serial runs with slack: the run's length over the larger side
+
+
+def test_a_sync_run_that_overlaps_some_work_reaches_less_than_the_ideal():
+    # attention busy 4 s, the FFN 5 s, in a run of 6 s: 3 s of the two overlapped (shared experts beside routed ones)
+    ideals, slack, reach = overlap_ideals([(0.0, 6.0, 4.0)], [(0.5, 5.5, 1, (), 8)])
+    assert ideals == pytest.approx([9 / 5]) and slack == [0.0]
+    assert reach == pytest.approx([6 / 5])  # what any overlap could still gain on this run
 
 
 def test_a_run_without_ffn_work_has_the_ideal_one():
-    ideals, slack = overlap_ideals([(0.0, 4.0, 2.0)], [])
-    assert ideals == [1.0] and slack == pytest.approx([0.5])
+    ideals, slack, reach = overlap_ideals([(0.0, 4.0, 2.0)], [])
+    assert ideals == [1.0] and slack == pytest.approx([0.5]) and reach == pytest.approx([2.0])
 
 
 def test_a_split_run_s_cost_is_each_side_s_work_against_the_sync_run_s():
@@ -33,3 +41,4 @@ def test_a_split_run_s_cost_is_each_side_s_work_against_the_sync_run_s():
     (cost,) = split_costs(sync, split, spans)
     assert cost["attention"] == pytest.approx(1.1) and cost["ffn"] == pytest.approx(1.2)
     assert cost["bound"] == pytest.approx((3 + 5) / 6)  # not the sync run's ideal (3 + 5) / 5: the split's FFN work is 6 s
+    assert cost["reach"] == pytest.approx(10 / 6)  # the sync run's 10 s (2 s of slack) over the split's larger side

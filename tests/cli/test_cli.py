@@ -184,10 +184,12 @@ def test_bench_pipeline_and_connector_report_consistent_figures(tmp_path):
     # the overlap's ideal from each round's traced sync run: 1 / max(b, 1 - b) lies in [1, 2]
     ideals = results["sync"]["ideal_by_round"]
     assert len(ideals) == 2 and all(1 <= i <= 2 for i in ideals) and results["sync"]["ideal_speedup"] == pytest.approx(sum(ideals) / 2)
+    # each side's work lies within its run: no overlap gains more than the run's length over the larger side's, >= 1
+    assert len(results["sync"]["reach_by_round"]) == 2 and all(r >= 1 for r in results["sync"]["reach_by_round"])
     for name, r in split.items():  # every split run traced too: each side's work against the sync run's of its round
         if name != "sync":
             assert len(r["split_by_round"]) == 2 and all(c["attention"] > 0 and c["ffn"] > 0 and 0 < c["bound"] < 4
-                                                         for c in r["split_by_round"]), (name, r["split_by_round"])
+                                                         and 0 < c["reach"] for c in r["split_by_round"]), (name, r["split_by_round"])
 
     out = tmp_path / "connector.json"
     afd("bench", "connector", "--tokens", "1,64", "--iters", "5", "--hidden", "256", "--json", str(out))
