@@ -7,6 +7,10 @@ A run's window is (start, end, the attention rank's busy seconds in its trace); 
 
 from __future__ import annotations
 
+from collections import defaultdict
+
+from afd.microbatch.planner import simulate_schedule
+
 BUSY = ("attention", "local_ffn", "dispatch", "shared", "merge")  # the attention rank's own work in its trace (the rest: waiting on the FFN side)
 
 
@@ -51,6 +55,37 @@ def split_costs(sync_windows, split_windows, spans) -> list[dict[str, float]]:
         out.append({"attention": a_m / max(a_s, 1e-9), "ffn": f_m / max(f_s, 1e-9), "bound": (a_s + f_s) / most,
                     "reach": (sync[1] - sync[0]) / most})
     return out
+
+
+def schedule_bound(events, spans, m: int) -> float:
+    """A traced sync run's length under the ping-pong schedule of ``m`` micro-batches, simulated with the run's own
+    work (:func:`afd.microbatch.planner.simulate_schedule`): per step, each layer's attention-side work before its
+    dispatch (attention, a local layer's FFN half, the dispatch), at its combine (the shared experts before the wait,
+    the merge after) and the FFN rank's (its unions of that layer within the step), split evenly over the
+    micro-batches; no transfer time and no cost of splitting; the time between steps as it was. The order the issue's
+    ideal leaves out is in it: nothing leaves before micro-batch 0's local layers, and every layer waits for the one
+    before. The run's length over it is the most that schedule could gain on the run."""
+    steps: dict[int, list] = defaultdict(list)
+    for e in events:
+        if e.action in (*BUSY, "combine"):
+            steps[e.seq].append(e)
+    start, end = min(e.start for e in events), max(e.end for e in events)
+    total = end - start
+    for evs in steps.values():
+        a, b = min(e.start for e in evs), max(e.end for e in evs)
+        layers = 1 + max(e.layer for e in evs)
+        pre, shared, merge, ffn = ([0.0] * layers for _ in range(4))
+        for e in evs:
+            work = {"shared": shared, "merge": merge, "combine": None}.get(e.action, pre)
+            if work is not None:
+                work[e.layer] += e.end - e.start
+        for s0, s1, layer, *_ in spans:
+            if s1 > a and s0 < b and layer < layers:
+                ffn[layer] += min(s1, b) - max(s0, a)
+        local = min((e.layer for e in evs if e.action == "dispatch"), default=layers)
+        total += simulate_schedule(lambda k, l: pre[l] / m, lambda k, l: ffn[l] / m, m, layers, local_layers=local,
+                                   combine=lambda k, l: (shared[l] / m, merge[l] / m)) - (b - a)
+    return total
 
 
 def fill_drain(events) -> float:

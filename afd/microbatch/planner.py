@@ -23,7 +23,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Sequence
+from typing import Callable, Sequence
 
 from afd.config import CostModel
 
@@ -197,21 +197,33 @@ def simulate_step(plan: MicrobatchPlan, num_layers: int, cost: CostModel, credit
 def _simulate(attn: Sequence[float], ffn: Sequence[float], num_layers: int, transfer: float, credits: int | None,
               local_layers: int = 0) -> float:
     """:func:`simulate_step` of micro-batches whose attention and FFN work per layer are ``attn`` and ``ffn``."""
+    return simulate_schedule(lambda k, _: attn[k], lambda k, _: ffn[k], len(attn), num_layers, transfer, credits, local_layers)
+
+
+def simulate_schedule(attn: Callable[[int, int], float], ffn: Callable[[int, int], float], m: int, num_layers: int,
+                      transfer: float = 0.0, credits: int | None = None, local_layers: int = 0,
+                      combine: Callable[[int, int], tuple[float, float]] | None = None) -> float:
+    """The ping-pong schedule's step time with micro-batch k's work at layer l ``attn(k, l)`` on the attention rank
+    and ``ffn(k, l)`` on the FFN side: the attention rank executes the schedule's steps in order, the FFN side serves
+    dispatches first come, first served, a message takes ``transfer`` each way; a leading local layer's FFN half is
+    in its ``attn`` (nothing sent). ``combine(k, l)``: the attention rank's work at that combine, (before its wait:
+    the shared experts; after: the merge)."""
     from afd.microbatch.schedule import Action, ping_pong
 
-    m = len(attn)
     t_attn = t_ffn = 0.0
     ready: dict[tuple[int, int], float] = {}
     for step in ping_pong(m, num_layers, min(credits or m, m), local_layers):
+        k, layer = step.microbatch, step.layer
         if step.action is Action.ATTENTION:
-            t_attn += attn[step.microbatch]
-        elif step.layer < local_layers:
+            t_attn += attn(k, layer)
+        elif layer < local_layers:
             pass  # the FFN half computed here: in the layer's attention cost, nothing sent
         elif step.action is Action.DISPATCH:
-            t_ffn = max(t_ffn, t_attn + transfer) + ffn[step.microbatch]
-            ready[(step.microbatch, step.layer)] = t_ffn + transfer
+            t_ffn = max(t_ffn, t_attn + transfer) + ffn(k, layer)
+            ready[(k, layer)] = t_ffn + transfer
         else:
-            t_attn = max(t_attn, ready.pop((step.microbatch, step.layer)))
+            before, after = combine(k, layer) if combine is not None else (0.0, 0.0)
+            t_attn = max(t_attn + before, ready.pop((k, layer))) + after
     return t_attn
 
 

@@ -42,3 +42,21 @@ def test_a_split_run_s_cost_is_each_side_s_work_against_the_sync_run_s():
     assert cost["attention"] == pytest.approx(1.1) and cost["ffn"] == pytest.approx(1.2)
     assert cost["bound"] == pytest.approx((3 + 5) / 6)  # not the sync run's ideal (3 + 5) / 5: the split's FFN work is 6 s
     assert cost["reach"] == pytest.approx(10 / 6)  # the sync run's 10 s (2 s of slack) over the split's larger side
+
+
+def test_the_schedule_bound_runs_the_sync_run_s_own_work_through_the_schedule():
+    from afd.attention.disagg_runner import TraceEvent
+    from afd.cli.pipeline_trace import schedule_bound
+
+    def step(seq, t):  # a local first layer (attention 1 s, its MLP 3 s), an MoE layer (attention 1 s, shared experts 1 s)
+        return [TraceEvent(t + 0, t + 1, "attention", 0, 0, seq, 0), TraceEvent(t + 1, t + 4, "local_ffn", 0, 0, seq, 0),
+                TraceEvent(t + 4, t + 5, "attention", 0, 1, seq, 0), TraceEvent(t + 5, t + 5, "dispatch", 0, 1, seq, 1),
+                TraceEvent(t + 5, t + 6, "shared", 0, 1, seq, 1), TraceEvent(t + 6, t + 9, "combine", 0, 1, seq, 1),
+                TraceEvent(t + 9, t + 9, "merge", 0, 1, seq, 0)]
+
+    events = step(1, 0.0) + step(2, 10.0)  # 1 s between the steps
+    spans = [(5.0, 9.0, 1, (), 8), (15.0, 19.0, 1, (), 8)]  # the FFN's 4 s of each step's MoE layer
+    assert schedule_bound(events, spans, 1) == pytest.approx(19.0)  # one micro-batch: the run as it ran
+    # two: micro-batch 0 through the local layer to its dispatch (2 + 0.5 s), its FFN half 2 s (to 4.5 s); micro-batch 1
+    # through them (to 5 s), its FFN half 4.5-5 s idle then 5-7 s; the combines: shared 0.5 s each, the last at 7 s
+    assert schedule_bound(events, spans, 2) == pytest.approx(7.0 + 1.0 + 7.0)

@@ -186,6 +186,8 @@ def test_bench_pipeline_and_connector_report_consistent_figures(tmp_path):
     assert len(ideals) == 2 and all(1 <= i <= 2 for i in ideals) and results["sync"]["ideal_speedup"] == pytest.approx(sum(ideals) / 2)
     # each side's work lies within its run: no overlap gains more than the run's length over the larger side's, >= 1
     assert len(results["sync"]["reach_by_round"]) == 2 and all(r >= 1 for r in results["sync"]["reach_by_round"])
+    # the m=2 schedule on the sync run's own work, split at no cost, is never slower than the run
+    assert len(results["sync"]["schedule_bound_by_round"]) == 2 and all(b >= 1 for b in results["sync"]["schedule_bound_by_round"])
     for name, r in split.items():  # every split run traced too: each side's work against the sync run's of its round
         if name != "sync":
             assert len(r["split_by_round"]) == 2 and all(c["attention"] > 0 and c["ffn"] > 0 and 0 < c["bound"] < 4

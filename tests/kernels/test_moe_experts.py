@@ -290,8 +290,8 @@ def test_float32_prefill_experts_run_transposed_with_no_aten_op_per_expert(held,
 def test_bfloat16_prefill_experts_run_transposed_where_bf16_is_emulated(held, gpt_oss):
     """bf16 experts past decode sizes, on a CPU without bf16 dot products or AMX-BF16 (bf16 emulated), take the same
     loop as float32's: x's rows widened as they are gathered, W widened in L1 a block at a time, the rest in float32
-    and the output rounded to bf16 once. An expert past the 96 columns x^T holds goes through in equal pieces, each
-    transposed (110 rows here: two of 55), so no BLAS: the thread count changes no bit, no ATen op runs per expert,
+    and the output rounded to bf16 once. An expert past the 96 columns x^T holds goes through in pieces of whole
+    vectors of columns, each transposed (110 rows here: 64 and 46), so no BLAS: the thread count changes no bit, no ATen op runs per expert,
     and the result is at least as close to float64 as the Python loop, which rounds after every op. Elsewhere those
     CPUs' own bf16 paths, against float64 as loosely as the loop."""
     kernels = native_ops()
@@ -308,6 +308,8 @@ def test_bfloat16_prefill_experts_run_transposed_where_bf16_is_emulated(held, gp
     if emulated:
         assert not ops & {"aten::silu", "aten::sigmoid", "aten::index_select", "aten::index_put_", "aten::mm"}, ops
         assert torch.equal(got[1], got[2]) and torch.equal(got[1], got[3])
+        # a column's result does not depend on its piece: the first 50 tokens alone (50 rows of expert 0: one piece)
+        assert torch.equal(experts(x[:50], ids[:50], weights[:50]), got[2][:50])
         assert err <= loop, (err, loop)
         # one rounding to bf16 (up to 2^-8 of a value) and float32's sums: within 2^-7 of the largest output
         assert err <= dense.abs().max() / 128, (err, dense.abs().max())
