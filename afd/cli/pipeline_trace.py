@@ -83,6 +83,8 @@ def schedule_bound(events, spans, m: int) -> float:
             if s1 > a and s0 < b and layer < layers:
                 ffn[layer] += min(s1, b) - max(s0, a)
         local = min((e.layer for e in evs if e.action == "dispatch"), default=layers)
+        for layer in range(local):  # a local layer's combine is not simulated (nothing sent): its work in the layer's own
+            pre[layer] += shared[layer] + merge[layer]
         total += simulate_schedule(lambda k, l: pre[l] / m, lambda k, l: ffn[l] / m, m, layers, local_layers=local,
                                    combine=lambda k, l: (shared[l] / m, merge[l] / m)) - (b - a)
     return total

@@ -48,15 +48,17 @@ def test_the_schedule_bound_runs_the_sync_run_s_own_work_through_the_schedule():
     from afd.attention.disagg_runner import TraceEvent
     from afd.cli.pipeline_trace import schedule_bound
 
-    def step(seq, t):  # a local first layer (attention 1 s, its MLP 3 s), an MoE layer (attention 1 s, shared experts 1 s)
+    def step(seq, t):  # a local first layer (attention 1 s, its MLP 3 s, its merge 0.5 s), an MoE layer (attention 1 s,
+        # shared experts 1 s, then the wait)
         return [TraceEvent(t + 0, t + 1, "attention", 0, 0, seq, 0), TraceEvent(t + 1, t + 4, "local_ffn", 0, 0, seq, 0),
-                TraceEvent(t + 4, t + 5, "attention", 0, 1, seq, 0), TraceEvent(t + 5, t + 5, "dispatch", 0, 1, seq, 1),
-                TraceEvent(t + 5, t + 6, "shared", 0, 1, seq, 1), TraceEvent(t + 6, t + 9, "combine", 0, 1, seq, 1),
-                TraceEvent(t + 9, t + 9, "merge", 0, 1, seq, 0)]
+                TraceEvent(t + 4, t + 4, "combine", 0, 0, seq, 0), TraceEvent(t + 4, t + 4.5, "merge", 0, 0, seq, 0),
+                TraceEvent(t + 4.5, t + 5.5, "attention", 0, 1, seq, 0), TraceEvent(t + 5.5, t + 5.5, "dispatch", 0, 1, seq, 1),
+                TraceEvent(t + 5.5, t + 6.5, "shared", 0, 1, seq, 1), TraceEvent(t + 6.5, t + 9.5, "combine", 0, 1, seq, 1),
+                TraceEvent(t + 9.5, t + 9.5, "merge", 0, 1, seq, 0)]
 
-    events = step(1, 0.0) + step(2, 10.0)  # 1 s between the steps
-    spans = [(5.0, 9.0, 1, (), 8), (15.0, 19.0, 1, (), 8)]  # the FFN's 4 s of each step's MoE layer
-    assert schedule_bound(events, spans, 1) == pytest.approx(19.0)  # one micro-batch: the run as it ran
-    # two: micro-batch 0 through the local layer to its dispatch (2 + 0.5 s), its FFN half 2 s (to 4.5 s); micro-batch 1
-    # through them (to 5 s), its FFN half 4.5-5 s idle then 5-7 s; the combines: shared 0.5 s each, the last at 7 s
-    assert schedule_bound(events, spans, 2) == pytest.approx(7.0 + 1.0 + 7.0)
+    events = step(1, 0.0) + step(2, 10.5)  # 1 s between the steps
+    spans = [(5.5, 9.5, 1, (), 8), (16.0, 20.0, 1, (), 8)]  # the FFN's 4 s of each step's MoE layer
+    assert schedule_bound(events, spans, 1) == pytest.approx(20.0)  # one micro-batch: the run as it ran
+    # two: micro-batch 0 through the local layer to its dispatch (2.25 + 0.5 s), its FFN half 2 s (to 4.75 s);
+    # micro-batch 1 through them (to 5.5 s), its FFN half 5.5-7.5 s; the combines: shared 0.5 s each, the last at 7.5 s
+    assert schedule_bound(events, spans, 2) == pytest.approx(7.5 + 1.0 + 7.5)

@@ -261,6 +261,23 @@ def test_float32_rows_of_a_prefill_expert_run_transposed_with_w_broadcast(rows, 
     _close_to_exact(kernels.broadcast_linear(x, w), x, w, None) if lanes else None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_transposed_column_does_not_depend_on_the_panel_it_is_computed_in(dtype):
+    """broadcast_linear's panels (1-6 vectors of x^T's columns against tiles of 9, 6, 5 or 4 rows of W, by the panel's
+    width; several panels past 96 columns) sum every output in the same order, so a row of x gives the same bits
+    whatever the other rows: the experts' loop relies on it (a token's output does not depend on its expert's other
+    rows or on how an expert's rows are cut into pieces)."""
+    kernels = native_ops()
+    if kernels.simd not in ("avx512", "avx2"):
+        pytest.fail(f"no register tiles in this build ({kernels.simd}): broadcast_linear is not built")
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(112, 2050, generator=gen).to(dtype)  # K: 8 blocks of 256 and a tail of 2
+    w = (torch.randn(43, 2050, generator=gen) / 2050**0.5).to(dtype)  # 43 = 4 x 9 + 7 = 7 x 6 + 1 = 10 x 4 + 3 rows of W
+    whole = kernels.broadcast_linear(x, w)  # 7 vectors: panels of 4 + 3 (AVX-512)
+    for rows in (17, 33, 48, 49, 64, 80, 96):  # 2, 3, 3, 4, 4, 5 and 6 vectors in one panel
+        assert torch.equal(kernels.broadcast_linear(x[:rows], w), whole[:rows]), rows
+
+
 @pytest.mark.parametrize("rows", [16, 17, 40, 63, 64, 96, 97])
 @pytest.mark.parametrize("n, k", [(37, 1024), (40, 1000), (200, 2050)])  # 2,050: a K tail through the dispatch
 def test_bfloat16_rows_of_a_prefill_expert_run_transposed_where_bf16_is_emulated(rows, n, k):

@@ -42,10 +42,10 @@ namespace simd = afd_simd;
 constexpr int kVMax = afd_simd::kRegisters >= 32 ? 6 : 3;
 constexpr int kNRMax = 9;  // W's rows streamed at once (and prefetched ahead): 14 at 2 vectors was slower (1.2-1.4x)
 constexpr int nr_for(int v) { return std::min(kNRMax, (afd_simd::kRegisters - 1 - v) / v); }
-static_assert(nr_for(kVMax) >= 1 && nr_for(1) * 1 + 1 + 1 <= afd_simd::kRegisters, "a tile that spills");
+static_assert(nr_for(kVMax) >= 1, "a panel of kVMax vectors that leaves no register for W");
 constexpr int64_t kBlock = 256;            // steps of k an accumulator sums before it is added into the tile's sums
-// past 96 rows MKL's packing pays for itself (V2-Lite's shapes: 0.9-1.1x at 128). With AVX2's 16 registers (3 x 4
-// tiles) it is 0.76-0.98x MKL at 48-96 rows (the same VM with MKL held to AVX2): built there, not taken.
+// past 96 rows MKL's packing pays for itself (V2-Lite's shapes: 0.9-1.1x at 128). With AVX2's 16 registers (panels of
+// at most 3 x 4) it was 0.76-0.98x MKL at 48-96 rows (the same VM with MKL held to AVX2): built there, not taken.
 constexpr int64_t kMaxRows = afd_simd::kRegisters >= 32 ? 96 : 0;
 constexpr int64_t kMinK = 1024;            // shorter rows do not pay for x's transpose and y's (the built-in model's
                                            // K = 256: 0.75-0.95x MKL)
@@ -129,8 +129,9 @@ void panel_product(const T* w, int64_t n_len, int64_t k_len, const float* xt, in
 }
 
 // y^T = W [n_len, K] . x^T [K, ld] over x^T's columns [0, cols), y^T's row n and column c at y[n * rs + c * cs]. Up to
-// kVMax vectors of columns (AVX-512: 96) are one panel; more (AVX2 only: there it is built, never taken) go in
-// panels of vectors spread evenly, W read once per panel.
+// kVMax vectors of columns (AVX-512: 96, all that the experts' loop and broadcast_linear's own dispatch give it) are
+// one panel; more (AVX2 builds, or broadcast_linear called directly past 96 rows) go in panels of vectors spread
+// evenly, W read once per panel.
 template <typename T>
 void product(const T* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, int64_t cols, float* y, int64_t rs,
              int64_t cs) {
