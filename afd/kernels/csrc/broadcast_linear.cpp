@@ -128,6 +128,15 @@ void panel_product(const T* w, int64_t n_len, int64_t k_len, const float* xt, in
   });
 }
 
+// panel_product<v> for a width v of 1 to kVMax vectors known at run time
+template <int V, typename T>
+void of_width(int64_t v, const T* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t rs, int64_t cs,
+              int64_t cols) {
+  if (v == V) return panel_product<V>(w, n_len, k_len, xt, ld, y, rs, cs, cols);
+  if constexpr (V < kVMax) return of_width<V + 1>(v, w, n_len, k_len, xt, ld, y, rs, cs, cols);
+  TORCH_CHECK(false, "broadcast_linear: a panel of ", v, " vectors");
+}
+
 // y^T = W [n_len, K] . x^T [K, ld] over x^T's columns [0, cols), y^T's row n and column c at y[n * rs + c * cs]. Up to
 // kVMax vectors of columns (AVX-512: 96, all that the experts' loop and broadcast_linear's own dispatch give it) are
 // one panel; more (AVX2 builds, or broadcast_linear called directly past 96 rows) go in panels of vectors spread
@@ -140,17 +149,7 @@ void product(const T* w, int64_t n_len, int64_t k_len, const float* xt, int64_t 
     const int64_t v = vectors / panels + (p < vectors % panels ? 1 : 0), panel_cols = std::min(v * kLanes, cols - c0);
     const float* xp = xt + c0;
     float* yp = y + c0 * cs;
-    switch (v) {
-      case 1: panel_product<1>(w, n_len, k_len, xp, ld, yp, rs, cs, panel_cols); break;
-      case 2: panel_product<2>(w, n_len, k_len, xp, ld, yp, rs, cs, panel_cols); break;
-      case 3: panel_product<3>(w, n_len, k_len, xp, ld, yp, rs, cs, panel_cols); break;
-      default:
-        if constexpr (kVMax >= 6) {
-          if (v == 4) panel_product<4>(w, n_len, k_len, xp, ld, yp, rs, cs, panel_cols);
-          else if (v == 5) panel_product<5>(w, n_len, k_len, xp, ld, yp, rs, cs, panel_cols);
-          else panel_product<6>(w, n_len, k_len, xp, ld, yp, rs, cs, panel_cols);
-        }
-    }
+    of_width<1>(v, w, n_len, k_len, xp, ld, yp, rs, cs, panel_cols);
     c0 += v * kLanes;
   }
 }

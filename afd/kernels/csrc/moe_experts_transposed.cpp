@@ -60,6 +60,22 @@ int64_t max_cols(int64_t hidden, int64_t inter) {
   return std::min(broadcast_gemm_max_cols(hidden), broadcast_gemm_max_cols(inter));
 }
 
+// The rows of an expert past what x^T holds (most_cols), in as few pieces of at most most_cols as there can be: whole
+// vectors of columns spread evenly, the last taking the rest (100 rows as 64 + 36 computes 112 columns where 50 + 50
+// computed 128), or equal pieces where that rest would fall to the row-major tiles (x^T of 32 columns, V3's 7,168-wide
+// rows: 40 rows as 20 + 20, not 32 + 8). A column computed transposed does not depend on its piece: the same bits.
+std::vector<int64_t> pieces(int64_t rows, int64_t most_cols) {
+  const int64_t parts = (rows + most_cols - 1) / most_cols, vectors = (rows + kLanes - 1) / kLanes;
+  std::vector<int64_t> out;
+  if (rows - (vectors - vectors / parts) * kLanes > small_linear_max_rows()) {  // the last piece's vectors: vectors / parts
+    for (int64_t p = 0, first = 0; p < parts; first += out.back(), ++p)
+      out.push_back(std::min(rows - first, (vectors / parts + (p < vectors % parts ? 1 : 0)) * kLanes));
+  } else {
+    for (int64_t p = 0; p < parts; ++p) out.push_back(rows / parts + (p < rows % parts ? 1 : 0));
+  }
+  return out;
+}
+
 }  // namespace
 
 bool experts_take_transposed(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const ExpertMath& math) {
@@ -97,20 +113,12 @@ at::Tensor experts_loop(const at::Tensor& x, const at::Tensor& weights, const at
       for (int64_t b = b0; b < b1_; ++b) run(b * kBlockCols, std::min(hidden, (b + 1) * kBlockCols));
     });
   };
-  // an expert's rows in pieces: one, but for bfloat16 past what x^T holds (no BLAS for it): pieces of whole vectors of
-  // columns, spread evenly, the last taking the rest (100 rows as 64 + 36 computes 112 columns where 50 + 50 computed
-  // 128), or equal pieces where that rest would fall to the row-major tiles (x^T of 32 columns, V3's 7,168-wide rows:
-  // 40 rows as 20 + 20, not 32 + 8). A column computed transposed does not depend on its piece: the same bits.
+  // an expert's rows in pieces: one, but for bfloat16 past what x^T holds (no BLAS for it: pieces())
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t rows_e = grouped.count[e + 1] - grouped.count[e];
-    const int64_t parts = kFloat || rows_e <= most_cols ? 1 : (rows_e + most_cols - 1) / most_cols;
-    const int64_t vectors = (rows_e + kLanes - 1) / kLanes, last = vectors / parts;  // the last piece's vectors (the rest: first)
-    const bool whole = parts > 1 && rows_e - (vectors - last) * kLanes > small_linear_max_rows();
-    for (int64_t p = 0, first = 0, n = 0; p < parts; ++p, first += n) {
-      if (whole)
-        n = std::min(rows_e - first, (vectors / parts + (p < vectors % parts ? 1 : 0)) * kLanes);
-      else
-        n = rows_e / parts + (p < rows_e % parts ? 1 : 0);
+    const std::vector<int64_t> sizes = kFloat || rows_e <= most_cols ? std::vector<int64_t>{rows_e} : pieces(rows_e, most_cols);
+    for (int64_t p = 0, first = 0; p < static_cast<int64_t>(sizes.size()); first += sizes[p++]) {
+      const int64_t n = sizes[p];
       if (n == 0) continue;
       const int64_t* slot_rows = grouped.rows.data() + grouped.count[e] + first;
       // transposed where broadcast_linear would take the rows (past the register tiles, x^T within its bound); else
