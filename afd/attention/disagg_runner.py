@@ -56,6 +56,7 @@ class _Microbatch:
     local_out: torch.Tensor | None = None  # FFN half computed on this rank
     captured: dict = field(default_factory=dict)
     work_s: float = 0.0  # this rank's work on it over the layers (attention, dispatch, merge): what the planner learns
+    local_s: float = 0.0  # of which its local layers' FFN half (the dense MLPs computed here)
     ffn_s: float = 0.0  # the FFN side's compute of its union over the layers (RESULT headers)
     ffn_layers: int = 0
     wire_s: float = float("inf")  # its fastest round trip less the FFN compute, over the layers
@@ -249,7 +250,10 @@ class DisaggregatedRunner:
             else:
                 began, waited = self._combine(mb, action.layer, record, learning, t0)
             if learning:
-                mb.work_s += (began - t0) + (time.perf_counter() - waited)
+                spent = (began - t0) + (time.perf_counter() - waited)
+                mb.work_s += spent
+                if action.action is Action.DISPATCH and action.layer < self.local_layers:
+                    mb.local_s += spent
             if self.trace is not None:
                 self._traced(action, t0, began, waited, self._local(action.layer))
         if learning:
@@ -262,12 +266,14 @@ class DisaggregatedRunner:
 
     def _learn(self, step: StepPlan, mbs: list[_Microbatch]) -> None:
         """This step's costs into the learner: per micro-batch, its work here and its union's on the FFN side, per layer."""
-        layers = self.model.config.num_layers
-        attention = [(sum(sp.length for sp in piece), CostModel.context(piece), mb.work_s / layers)
-                     for mb, piece in zip(mbs, self.last_plan.pieces)]
+        layers, local = self.model.config.num_layers, self.local_layers
+        tokens = [sum(sp.length for sp in piece) for piece in self.last_plan.pieces]
+        attention = [(n, CostModel.context(piece), (mb.work_s - mb.local_s) / layers)
+                     for n, mb, piece in zip(tokens, mbs, self.last_plan.pieces)]
         ffn = [(step.union_tokens[mb.index], mb.ffn_s / mb.ffn_layers) for mb in mbs if mb.ffn_layers and mb.ffn_s > 0]
         self.ffn_busy_s += sum(mb.ffn_s for mb in mbs)
-        self.learner.observe(attention, ffn, [mb.wire_s / 2 for mb in mbs if mb.ffn_layers])
+        self.learner.observe(attention, ffn, [mb.wire_s / 2 for mb in mbs if mb.ffn_layers],
+                             [(n, mb.local_s / local) for n, mb in zip(tokens, mbs)] if local else ())
 
     def _traced(self, action, t0: float, began: float, waited: float, local: bool) -> None:
         """A schedule step into the trace; a combine as this rank's work before its wait ("shared": the shared

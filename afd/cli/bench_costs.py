@@ -6,9 +6,11 @@ records the FFN time per token count as a curve, and fits, by least squares,
 
     attention(n tokens after c cached) ~ attn_call + attn_token * n + attn_context * sum_{p=c}^{c+n-1} (p + 1)
     ffn(n tokens)                      ~ ffn_call + ffn_token * n + ffn_expert * E * (1 - (1 - k/E)^n)
+    local(n tokens)                    ~ local_call + local_token * n
 
-(seconds; the last term is the expected number of distinct routed experts n
-tokens touch, i.e. the expert weights read). It times with ``--threads`` torch
+(seconds; the FFN's last term is the expected number of distinct routed experts n
+tokens touch, i.e. the expert weights read; ``local`` is a leading dense layer's
+MLP, which runs beside attention: 0 where the model has none). It times with ``--threads`` torch
 threads (default 1, as one rank runs). The JSON it writes is what
 ``--cost-model FILE`` reads.
 """
@@ -97,6 +99,17 @@ def _fit(model, repeats: int) -> dict:
         meta, x = batch(n, 1, 128) if n <= 8 else batch(8, n // 8, 0)
         ffn_input = model.attention(layer, x, meta, cache.layer(0)).ffn_input
         curve.append((n, _median_time(lambda: model.ffn(layer, ffn_input), repeats)))
+    local_call = local_token = 0.0
+    dense = next((i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)), None)
+    if dense is not None and dense < cfg.moe.layers[0]:  # a leading dense layer: what --dense-on attention runs there
+        times, local_ns = [], (1, 16, 128, 512)
+        for n in local_ns:
+            meta, x = batch(n, 1, 128) if n <= 8 else batch(8, n // 8, 0)
+            ffn_input = model.attention(layer, x, meta, cache.layer(0)).ffn_input  # the MLP's input: any layer's will do
+            times.append(_median_time(lambda: model.dense_mlp(dense, ffn_input), repeats))
+        g = torch.linalg.lstsq(torch.tensor([[1.0, n] for n in local_ns], dtype=torch.float64),
+                               torch.tensor(times, dtype=torch.float64).unsqueeze(1)).solution.flatten()
+        local_call, local_token = max(float(g[0]), 0.0), max(float(g[1]), 0.0)
     touched = [e * (1 - (1 - k / e) ** n) for n in ns]
     f = torch.linalg.lstsq(torch.tensor([[1.0, n, t] for n, t in zip(ns, touched)], dtype=torch.float64),
                            torch.tensor([t for _, t in curve], dtype=torch.float64).unsqueeze(1)).solution.flatten()
@@ -104,7 +117,7 @@ def _fit(model, repeats: int) -> dict:
     # they, or the measured curve, decide how many micro-batches a step is worth (--num-microbatches auto)
     return {"attn_token": max(float(coef[1]), 0.0), "attn_context": max(float(coef[2]), 0.0), "ffn_token": max(float(f[1]), 1e-12),
             "attn_call": max(float(coef[0]), 0.0), "ffn_call": max(float(f[0]), 0.0), "ffn_expert": max(float(f[2]), 0.0),
-            "ffn_curve": [[n, t] for n, t in curve]}
+            "ffn_curve": [[n, t] for n, t in curve], "local_token": local_token, "local_call": local_call}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"per call      attention {1e3 * coef['attn_call']:.2f} ms, FFN {1e3 * coef['ffn_call']:.2f} ms")
     print(f"ffn_expert    {1e6 * coef['ffn_expert']:.1f} us per distinct routed expert touched")
     print("ffn measured  " + ", ".join(f"{n}: {1e3 * t:.1f}" for n, t in coef["ffn_curve"]) + " (tokens: ms; used by auto)")
+    if coef["local_token"] or coef["local_call"]:
+        print(f"local layer   {1e6 * coef['local_token']:.2f} us/token + {1e3 * coef['local_call']:.2f} ms per call "
+              "(a leading dense layer's MLP, beside attention)")
     print(f"summary: {model_dir}: one MoE layer, ffn/attention per-token cost ratio {ratio:.2f}; use with --cost-model")
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -274,7 +274,7 @@ def _auto_costs(model_dir: Path, args) -> CostModel:
         c = fit(model, repeats=3, threads=1)  # one thread, as the ranks run
         del model
     cost = CostModel.from_fit(c, transfer=args.transfer_us * 1e-6)
-    keys = ("attn_token", "attn_context", "ffn_token", "attn_call", "ffn_call", "transfer", "ffn_expert")
+    keys = ("attn_token", "attn_context", "ffn_token", "attn_call", "ffn_call", "transfer", "ffn_expert", "local_token", "local_call")
     print("auto row costs: " + ", ".join(f"{k} {getattr(cost, k):.3g}" for k in keys)
           + (", ffn measured " + ", ".join(f"{n}: {1e3 * t:.0f} ms" for n, t in cost.ffn_curve) if cost.ffn_curve else ""), file=sys.stderr)
     return cost

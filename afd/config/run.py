@@ -15,7 +15,10 @@ class CostModel:
     ``transfer`` (one message, one way), and ``ffn_expert`` per distinct routed expert the micro-batch
     touches (reading its weights): n tokens choosing ``top_k`` of ``num_experts`` touch
     E·(1 − (1 − k/E)^n) experts in expectation, so halving a decode step does not halve the weight
-    reads, and halving a large prefill doubles them."""
+    reads, and halving a large prefill doubles them. ``local_token`` and ``local_call``: a leading local
+    layer's FFN half (a dense MLP computed beside attention, e.g. DeepSeek's first dense layers), per token
+    and per call, on the attention side: nothing leaves for the FFN side before a micro-batch has passed
+    them, so they lengthen the pipeline's fill, not every layer."""
 
     attn_token: float = 1.0
     attn_context: float = 0.01
@@ -26,10 +29,13 @@ class CostModel:
     ffn_expert: float = 0.0
     num_experts: int = 0  # the model's routing shape (set by the runner); 0: no per-expert term
     top_k: int = 0
-    ffn_curve: tuple[tuple[int, float], ...] = ()  # measured (tokens, cost) points; when given, the FFN cost
+    ffn_curve: tuple[tuple[int, float], ...] = ()  # measured (tokens, cost) points; when given, ffn_cost reads the FFN cost off them
+    local_token: float = 0.0
+    local_call: float = 0.0
 
     def __post_init__(self) -> None:
-        coefficients = (self.attn_token, self.attn_context, self.ffn_token, self.attn_call, self.ffn_call, self.transfer, self.ffn_expert)
+        coefficients = (self.attn_token, self.attn_context, self.ffn_token, self.attn_call, self.ffn_call, self.transfer, self.ffn_expert,
+                        self.local_token, self.local_call)
         if not all(math.isfinite(c) and c >= 0 for c in coefficients) or max(self.attn_token, self.attn_context, self.ffn_token) <= 0:
             raise ValueError(f"costs must be non-negative with a positive per-token cost, got {coefficients}")
         ns = [n for n, _ in self.ffn_curve]
@@ -46,6 +52,7 @@ class CostModel:
             raise ValueError(f"the cost model lacks {', '.join(missing)}: write it with `afd bench costs --json FILE`")
         return cls(*(max(0.0, float(fit[k])) for k in keys), transfer=max(0.0, float(fit.get("transfer", transfer))),
                    ffn_expert=max(0.0, float(fit.get("ffn_expert", 0.0))),
+                   local_token=max(0.0, float(fit.get("local_token", 0.0))), local_call=max(0.0, float(fit.get("local_call", 0.0))),
                    ffn_curve=tuple((int(n), float(t)) for n, t in fit.get("ffn_curve") or ()))
 
     def experts_touched(self, num_tokens: int) -> float:
@@ -73,6 +80,10 @@ class CostModel:
                     break
             return max(0.0, c0 + (c1 - c0) * (num_tokens - n0) / (n1 - n0))
         return self.ffn_call + self.ffn_token * num_tokens + self.ffn_expert * self.experts_touched(num_tokens)
+
+    def local_cost(self, num_tokens: int) -> float:
+        """A local layer's FFN half on ``num_tokens`` tokens (none: nothing to compute)."""
+        return self.local_call + self.local_token * num_tokens if num_tokens else 0.0
 
     def token_cost(self, position: int) -> float:
         return self.attn_token + self.attn_context * (position + 1) + self.ffn_token

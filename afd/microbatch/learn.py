@@ -8,6 +8,9 @@ with what the run measures, in seconds, once it has seen enough:
 * **attention side**, per micro-batch and layer: the attention rank's own work on it (attention, routing,
   packing the dispatch, merging the answer), fitted as ``attn_call + attn_token * tokens +
   attn_context * sum(position + 1)`` -- least squares with every coefficient >= 0;
+* **local layers**, per micro-batch and leading dense layer whose MLP runs on the attention rank: that MLP's time,
+  fitted as ``local_call + local_token * tokens`` and kept out of the attention fit: it happens once per micro-batch
+  at the front of the step (the pipeline's fill), not in every layer;
 * **FFN side**, per micro-batch and layer: the time the FFN rank computed the micro-batch's *union* (every
   contributor's rows), which each RESULT header carries (``busy_us``; the slowest FFN rank when several
   answer). Kept as a curve of medians by size class (powers of two of the union's tokens), the planner
@@ -41,6 +44,7 @@ class CostLearner:
     def __init__(self, min_steps: int = MIN_STEPS, refit_every: int = REFIT_EVERY, warmup: int = WARMUP_STEPS) -> None:
         self.min_steps, self.refit_every, self.warmup = min_steps, refit_every, warmup
         self.attention: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)  # (tokens, context, seconds per layer)
+        self.local: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (tokens, seconds per local layer)
         self.ffn: dict[int, deque[tuple[int, float]]] = {}  # size class -> (union tokens, seconds per layer)
         self.transfer: deque[float] = deque(maxlen=WINDOW)
         self.steps = 0  # steps observed (warm-up included)
@@ -48,10 +52,12 @@ class CostLearner:
         self.fits = 0
         self._since_fit = 0
 
-    def observe(self, attention: Sequence[tuple[int, float, float]], ffn: Sequence[tuple[int, float]], transfer: Sequence[float]) -> None:
+    def observe(self, attention: Sequence[tuple[int, float, float]], ffn: Sequence[tuple[int, float]], transfer: Sequence[float],
+                local: Sequence[tuple[int, float]] = ()) -> None:
         """One step: per micro-batch with rows here, (tokens, sum of (position + 1), attention-side seconds per
-        layer); per micro-batch that went to the FFN side, (union tokens, FFN seconds per layer); one-way transfer
-        estimates in seconds."""
+        layer, its local layers' FFN half left out); per micro-batch that went to the FFN side, (union tokens, FFN
+        seconds per layer); one-way transfer estimates in seconds; per micro-batch with rows here, (tokens, seconds
+        per local layer) where the model has local layers."""
         self.steps += 1
         if self.steps <= self.warmup:
             return
@@ -60,6 +66,7 @@ class CostLearner:
             if n > 0:
                 self.ffn.setdefault(n.bit_length(), deque(maxlen=CLASS_WINDOW)).append((n, s))
         self.transfer.extend(max(0.0, t) for t in transfer)
+        self.local.extend((float(n), s) for n, s in local if n > 0)
         self._since_fit += 1
         learned = self.steps - self.warmup
         if (self.model is None and learned >= self.min_steps) or self._since_fit >= self.refit_every:
@@ -77,9 +84,11 @@ class CostLearner:
         ffn_call, ffn_token = nonnegative_least_squares([(1.0, float(n)) for n, _ in flat], [s for _, s in flat])
         if max(attn_token, attn_context, ffn_token) <= 0:
             return None  # times that do not grow with the work: nothing to plan with
+        local_call, local_token = nonnegative_least_squares([(1.0, n) for n, _ in self.local], [s for _, s in self.local]) \
+            if self.local else (0.0, 0.0)
         self.fits += 1
         return CostModel(attn_token, attn_context, ffn_token, attn_call, ffn_call, transfer=_quantile(self.transfer, 0.2),
-                         ffn_curve=curve)
+                         ffn_curve=curve, local_token=local_token, local_call=local_call)
 
 
 def nonnegative_least_squares(rows: Sequence[Sequence[float]], y: Sequence[float]) -> tuple[float, ...]:
@@ -136,11 +145,12 @@ def pack_costs(cost: CostModel | None) -> list | None:
     if cost is None:
         return None
     return [cost.attn_token, cost.attn_context, cost.ffn_token, cost.attn_call, cost.ffn_call, cost.transfer,
-            [[n, c] for n, c in cost.ffn_curve]]
+            [[n, c] for n, c in cost.ffn_curve], cost.local_token, cost.local_call]
 
 
 def unpack_costs(fields: list | None) -> CostModel | None:
     if fields is None:
         return None
-    *coefficients, curve = fields
-    return CostModel(*(float(c) for c in coefficients), ffn_curve=tuple((int(n), float(c)) for n, c in curve))
+    *coefficients, curve, local_token, local_call = fields
+    return CostModel(*(float(c) for c in coefficients), ffn_curve=tuple((int(n), float(c)) for n, c in curve),
+                     local_token=float(local_token), local_call=float(local_call))

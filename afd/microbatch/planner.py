@@ -187,17 +187,20 @@ def simulate_step(plan: MicrobatchPlan, num_layers: int, cost: CostModel, credit
     """Estimated time of one step run by the ping-pong schedule: the attention rank executes the
     schedule's steps in order; the FFN side serves dispatches first come, first served; a message
     takes ``cost.transfer`` each way. The first ``local_layers`` run their FFN half on the attention rank
-    (a dense MLP there): its time is in the attention cost of a layer, as the learner measures it, and
-    nothing is sent. (Pure; the schedule is the one the runtime executes.)"""
+    (a dense MLP there): it costs ``cost.local_cost`` there on top of the layer's attention, and nothing is
+    sent. (Pure; the schedule is the one the runtime executes.)"""
     attn = [cost.attention_cost(piece) for piece in plan.pieces]
-    ffn = [cost.ffn_cost(sum(sp.length for sp in piece)) for piece in plan.pieces]
-    return _simulate(attn, ffn, num_layers, cost.transfer, credits, local_layers)
+    tokens = [sum(sp.length for sp in piece) for piece in plan.pieces]
+    return _simulate(attn, [cost.ffn_cost(n) for n in tokens], num_layers, cost.transfer, credits, local_layers,
+                     [cost.local_cost(n) for n in tokens])
 
 
 def _simulate(attn: Sequence[float], ffn: Sequence[float], num_layers: int, transfer: float, credits: int | None,
-              local_layers: int = 0) -> float:
-    """:func:`simulate_step` of micro-batches whose attention and FFN work per layer are ``attn`` and ``ffn``."""
-    return simulate_schedule(lambda k, _: attn[k], lambda k, _: ffn[k], len(attn), num_layers, transfer, credits, local_layers)
+              local_layers: int = 0, local: Sequence[float] | None = None) -> float:
+    """:func:`simulate_step` of micro-batches whose attention and FFN work per layer are ``attn`` and ``ffn``, and
+    whose local layers' FFN half costs ``local`` (default nothing)."""
+    return simulate_schedule(lambda k, layer: attn[k] + (local[k] if local and layer < local_layers else 0.0), lambda k, _: ffn[k],
+                             len(attn), num_layers, transfer, credits, local_layers)
 
 
 def simulate_schedule(attn: Callable[[int, int], float], ffn: Callable[[int, int], float], m: int, num_layers: int,
@@ -251,7 +254,9 @@ def choose_microbatches(
             break  # no more pieces to be had (one token, or fewer requests than m, on every contributor)
         attn = [max(cost.attention_cost(p.pieces[k]) if k < p.num_microbatches else 0.0 for p in plans) for k in range(m)]
         ffn = [cost.ffn_cost(sum(sp.length for p in plans if k < p.num_microbatches for sp in p.pieces[k])) for k in range(m)]
-        t = _simulate(attn, ffn, num_layers, cost.transfer, credits, local_layers)
+        local = [max(cost.local_cost(sum(sp.length for sp in p.pieces[k])) if k < p.num_microbatches else 0.0 for p in plans)
+                 for k in range(m)]  # each contributor's own, side by side
+        t = _simulate(attn, ffn, num_layers, cost.transfer, credits, local_layers, local)
         estimates.append((m, t))
         if t < best_t * (1 - min_gain):
             best, best_t = m, t

@@ -61,6 +61,24 @@ def test_the_learner_recovers_the_costs_it_is_shown():
         assert model.ffn_cost(n) == pytest.approx(ffn_true(n), rel=0.15), n
 
 
+def test_a_local_layers_mlp_is_learned_apart_from_attention():
+    """A model whose first layer's MLP runs beside attention: the runner reports its time apart (per micro-batch
+    and local layer), and the learner fits it as local_call + local_token * tokens without moving the attention
+    fit (which it would, spread over every layer, were the two summed)."""
+    rng = random.Random(4)
+    learner = CostLearner()
+    for _ in range(300):
+        n = rng.choice([rng.randint(1, 32), rng.randint(64, 2048)])
+        spans = [(rng.randint(10, 900), 1) for _ in range(n)] if n <= 32 else [(0, n)]
+        attn = (ATTN_CALL + ATTN_TOKEN * n + ATTN_CONTEXT * context(spans)) * rng.uniform(0.95, 1.05)
+        local = (300e-6 + 40e-6 * n) * rng.uniform(0.95, 1.05)
+        learner.observe([(n, context(spans), attn)], [(n, ffn_true(n))], [TRANSFER], [(n, local)])
+    model = learner.model
+    assert model.local_call == pytest.approx(300e-6, rel=0.2) and model.local_token == pytest.approx(40e-6, rel=0.05)
+    assert model.attn_token == pytest.approx(ATTN_TOKEN, rel=0.1) and model.attn_call == pytest.approx(ATTN_CALL, rel=0.2)
+    assert unpack_costs(pack_costs(model)) == model  # a vote carries it
+
+
 def test_no_model_until_the_ffn_side_was_seen_at_two_sizes():
     """Decode steps of one size class only: a curve of one point cannot say what a split costs."""
     learner = CostLearner()

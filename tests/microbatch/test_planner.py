@@ -101,7 +101,9 @@ def test_cost_model_fit_feeds_the_planner(checkpoints, tmp_path):
     model = load_model(checkpoints["ds-noqlora-greedy"][0], dtype="float32")[0]
     coef = fit(model, repeats=1)
     assert coef["attn_token"] >= 0 and coef["attn_context"] >= 0 and coef["ffn_token"] > 0
+    assert coef["local_token"] > 0  # its first two layers are dense: their MLP, run beside attention, is timed too
     cost = CostModel.from_fit(coef)
+    assert (cost.local_token, cost.local_call) == (coef["local_token"], coef["local_call"])
     assert PipelineConfig("async", 4, "token", cost=cost, adaptive=True).cost is cost
     plan = plan_microbatches([(0, 300)], 2, "token", cost)
     assert plan.num_microbatches == 2
@@ -147,8 +149,8 @@ def test_simulated_step_time_by_hand():
 
 
 def test_simulated_step_with_a_local_first_layer_by_hand():
-    """Three layers, the first one's FFN half on the attention rank (its time in the layer's attention cost, as
-    the learner measures it), 1 unit per token each side: sync takes 3 x 2 + 2 x 2 = 10; two micro-batches, each
+    """Three layers, the first one's FFN half on the attention rank (free here: ``local_token`` 0, the next test
+    charges it), 1 unit per token each side: sync takes 3 x 2 + 2 x 2 = 10; two micro-batches, each
     through the local layer and on to its first dispatch before the next starts, take 7 (the FFN side idle
     only for micro-batch 0's first two layers)."""
     cost = CostModel(attn_token=1, attn_context=0, ffn_token=1, attn_call=0, ffn_call=0, transfer=0)
@@ -156,6 +158,21 @@ def test_simulated_step_with_a_local_first_layer_by_hand():
     assert simulate_step(one, 3, cost, local_layers=1) == 10 and simulate_step(two, 3, cost, local_layers=1) == 7
     assert simulate_step(one, 3, cost, local_layers=3) == simulate_step(two, 3, cost, local_layers=3) == 6  # nothing sent
     assert choose_microbatches([[(0, 2)]], 2, 3, "token", cost, local_layers=1) == (2, ((1, 10), (2, 7)))
+
+
+def test_a_local_layers_mlp_is_charged_once_per_micro_batch_at_the_front_by_hand():
+    """As above, with the local layer's MLP costing 2 a token on the attention rank (``local_token``): sync takes
+    (2 + 4) + 2 x (2 + 2) = 14. Two micro-batches: micro-batch 0 through layer 0 (1 + 2) and layer 1's attention
+    (1) leaves at 4, its FFN done at 5; micro-batch 1 the same by 8, FFN done at 9; layer 2 then alternates:
+    attention 0 at 8-9, FFN 9-10; attention 1 at 9-10, FFN 10-11: 11. Every layer local: 3 x 6 = 18 either way.
+    Several contributors: the slowest's local work per micro-batch (the ranks run theirs side by side)."""
+    cost = CostModel(attn_token=1, attn_context=0, ffn_token=1, attn_call=0, ffn_call=0, transfer=0, local_token=2)
+    one, two = (plan_microbatches([(0, 2)], m, "token", cost) for m in (1, 2))
+    assert simulate_step(one, 3, cost, local_layers=1) == 14 and simulate_step(two, 3, cost, local_layers=1) == 11
+    assert simulate_step(one, 3, cost, local_layers=3) == simulate_step(two, 3, cost, local_layers=3) == 18
+    assert simulate_step(one, 3, cost) == 12  # no local layer: local_token charges nothing
+    # ranks of 2 and 6 tokens, sync: (6 + 12) + (6 + 8) + (6 + 8) = 46 (the FFN side computes the 8-token union)
+    assert choose_microbatches([[(0, 2)], [(0, 6)]], 2, 3, "token", cost, local_layers=1)[1][0] == (1, 46)
 
 
 @settings(max_examples=60, deadline=None)

@@ -219,6 +219,7 @@ def test_auto_learns_its_costs_from_the_run_and_keeps_parity(reference):
     learned = stats.learned_costs
     assert learned is not None and len(learned.ffn_curve) >= 2, learned  # the prompts' prefill and the decode steps
     assert learned.attn_token + learned.attn_context > 0 and learned.ffn_cost(1) > 0
+    assert learned.local_cost(1) > 0  # the built-in model's first layer is dense: its MLP here, learned on its own
     assert stats.ffn_busy_s == pytest.approx(ffn["busy_s"], abs=1e-6 * ffn["items"]), (stats.ffn_busy_s, ffn["busy_s"])
     plans = [e.note for e in events if e.action == "plan"]
     assert len(plans) == stats.steps == 32 and all("learned costs" in note for note in plans[-4:]), plans
