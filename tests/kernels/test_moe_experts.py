@@ -287,25 +287,28 @@ def test_float32_prefill_experts_run_transposed_with_no_aten_op_per_expert(held,
 
 @pytest.mark.parametrize("held", [list(range(8)), [0, 1, 3, 6]])
 @pytest.mark.parametrize("gpt_oss", [False, True])
-def test_bfloat16_prefill_experts_run_transposed_where_bf16_is_emulated(held, gpt_oss):
-    """bf16 experts past decode sizes, on a CPU without bf16 dot products or AMX-BF16 (bf16 emulated), take the same
-    loop as float32's: x's rows widened as they are gathered, W widened in L1 a block at a time, the rest in float32
-    and the output rounded to bf16 once. An expert past the 96 columns x^T holds goes through in pieces of whole
-    vectors of columns, each transposed (110 rows here: 64 and 46), so no BLAS: the thread count changes no bit, no ATen op runs per expert,
-    and the result is at least as close to float64 as the Python loop, which rounds after every op. Elsewhere those
-    CPUs' own bf16 paths, against float64 as loosely as the loop."""
+def test_bfloat16_prefill_experts_run_transposed_without_amx(held, gpt_oss):
+    """bf16 experts past decode sizes, on a CPU without AMX-BF16, take the same loop as float32's. Where bf16 is
+    emulated (no bf16 dot products): x's rows widened as they are gathered, W widened in L1 a block at a time, the rest
+    in float32. On bf16 dot products (AVX512-BF16): x^T and the activation (rounded to bf16 once) as pairs of rows
+    against W as it is, on vdpbf16ps. Either way float32 sums and the output rounded to bf16 once. An expert past the
+    96 columns x^T holds goes through in pieces of whole vectors of columns, each transposed (110 rows here: 64 and
+    46), so no BLAS: the thread count changes no bit, no ATen op runs per expert, and the result is at least as close
+    to float64 as the Python loop, which rounds after every op. On AMX-BF16 (or AVX2 builds) those CPUs' own bf16
+    paths, against float64 as loosely as the loop."""
     kernels = native_ops()
     assert kernels is not None, "afd/kernels did not build here"
     x, ids, weights = _prefill_routing(torch.bfloat16)
     experts = make_experts(held, hidden=PREFILL_H, inter=PREFILL_I, gpt_oss=gpt_oss, dtype=torch.bfloat16)
     emulated = bool(kernels.broadcast_linear_max_rows) and kernels.bf16_tiles == "none" and not kernels.bf16_dot
+    transposed = emulated or kernels.moe_experts_bf16_pairs
     ops = _aten_ops(lambda: experts(x, ids, weights))
     got = _at_threads(lambda: experts(x, ids, weights), (1, 2, 3))
     assert got[2].dtype == torch.bfloat16
     dense = _dense_by_expert(experts, x, ids, weights)
     loop = (experts.reference(x, ids, weights).double() - dense).abs().max()
     err = (got[2].double() - dense).abs().max()
-    if emulated:
+    if transposed:
         assert not ops & {"aten::silu", "aten::sigmoid", "aten::index_select", "aten::index_put_", "aten::mm"}, ops
         assert torch.equal(got[1], got[2]) and torch.equal(got[1], got[3])
         # a column's result does not depend on its piece: the first 50 tokens alone (50 rows of expert 0: one piece)
@@ -313,13 +316,22 @@ def test_bfloat16_prefill_experts_run_transposed_where_bf16_is_emulated(held, gp
         assert err <= loop, (err, loop)
         # one rounding to bf16 (up to 2^-8 of a value) and float32's sums: within 2^-7 of the largest output
         assert err <= dense.abs().max() / 128, (err, dense.abs().max())
-    else:  # the ATen loop (bf16 dot products), the register tiles in place (AVX2 builds) or AMX-BF16's tiles
+    else:  # the register tiles in place (AVX2 builds) or AMX-BF16's tiles
         assert err <= 2 * loop + 1e-2 * dense.abs().max()
 
 
-def test_bfloat16_experts_of_17_to_63_rows_take_the_transposed_loop_where_bf16_is_emulated():
-    """Emulated bf16's register tiles reach 63 rows, but a call whose busiest expert has 17-63 rows takes the transposed
-    loop as a larger one does (1.3-2.1x faster): 40 tokens give experts 1 and 2 20 rows each and 3-7 8 each (those on
+def test_bfloat16_experts_take_pairs_of_rows_where_the_cpu_has_bf16_dot_products_and_no_amx():
+    """Where the CPU has AVX512-BF16 and no AMX-BF16 the build computes bf16 prefill experts on vdpbf16ps
+    (broadcast_gemm_t_pairs); elsewhere not (read from the CPU's flags, not from the build)."""
+    flags = support.cpu_flags()
+    amx = "amx_bf16" in flags and support.amx_granted()
+    assert native_ops().moe_experts_bf16_pairs == (support.expected_simd() == "avx512" and "avx512_bf16" in flags and not amx)
+
+
+def test_bfloat16_experts_of_17_to_63_rows_take_the_transposed_loop_without_amx():
+    """Emulated bf16's register tiles reach 63 rows (bf16 dot products' decode path 32), but a call whose busiest expert
+    has 17-63 rows takes the transposed loop as a larger one does (1.3-2.1x faster emulated, 1.15-1.4x on vdpbf16ps
+    at 160-256 tokens of V2-Lite's experts): 40 tokens give experts 1 and 2 20 rows each and 3-7 8 each (those on
     the loop's row-major branch, small_gemm with a bf16 W), and with 70 more tokens on expert 0 alone the call is past
     the tiles anyway; an expert's columns do not depend on the others', so the 40 tokens' outputs are the same bits
     either way (the tiles would sum in another order). Elsewhere each CPU's own path, against float64."""
@@ -335,7 +347,7 @@ def test_bfloat16_experts_of_17_to_63_rows_take_the_transposed_loop_where_bf16_i
     dense = _dense_by_expert(experts, *part)
     loop = (experts.reference(*part).double() - dense).abs().max()
     err = (got.double() - dense).abs().max()
-    if kernels.broadcast_linear_max_rows and kernels.bf16_tiles == "none" and not kernels.bf16_dot:
+    if (kernels.broadcast_linear_max_rows and kernels.bf16_tiles == "none" and not kernels.bf16_dot) or kernels.moe_experts_bf16_pairs:
         assert torch.equal(got, experts(x, ids, weights)[:40]), "the 40 tokens' outputs differ from the larger call's"
         assert err <= loop and err <= dense.abs().max() / 128, (err, loop)
     else:

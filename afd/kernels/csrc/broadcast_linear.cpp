@@ -1,5 +1,5 @@
 // float32 linears of a few dozen rows, computed transposed: y^T [N, M] = W [N, K] . x^T [K, M], W's values broadcast
-// (and bfloat16 ones where the CPU emulates bf16: W widened a block at a time, below).
+// (and bfloat16 ones where the CPU emulates bf16: W widened a block at a time; and bf16 on vdpbf16ps, below).
 //
 // The routed experts of a prefill step get a few dozen rows each (V2-Lite at 512 tokens: ~48). There MKL's GEMM
 // runs at half its peak on W [N, K] (the weight as nn.Linear keeps it): to multiply it as the B operand it packs and
@@ -16,15 +16,26 @@
 //
 // x^T's columns are padded to whole vectors with zeros (their outputs are computed and not read). Up to 96 columns
 // are one panel (below), so W is read once per call.
+//
+// On a CPU with bf16 dot products (AVX512-BF16), bfloat16 W against bfloat16 x^T runs on vdpbf16ps: x^T is kept as
+// pairs of rows, [K/2, ld] 32-bit elements (x^T[2j][c], x^T[2j+1][c]), and each step broadcasts a pair of one W row's
+// values, W[n][2j], W[n][2j+1] (adjacent in memory: one 32-bit load), so one instruction does two steps of k on 16
+// columns: half the instructions of float32's for the same tile. Sums in float32 as before.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "simd.h"
 #include "small_linear.h"
+
+#if defined(__AVX512BF16__) && defined(AFD_SIMD_AVX512)
+#define AFD_BROADCAST_DOT 1  // bf16 W against pairs of x^T's rows on vdpbf16ps (built for a CPU that has it)
+#endif
 
 #if defined(AFD_SIMD)
 
@@ -57,18 +68,26 @@ constexpr int64_t kMaxXtBytes = 1 << 20;   // x^T stays in L2 (half of a 2 MB on
 // y[r * rs + c * cs] (y [M, N]: rs 1, cs N; y^T [N, ld] as it is: rs ld, cs 1; a few hundred stores against
 // NR x V x K FMAs).
 //
-// A bfloat16 W (T): each block of its NR rows is widened to float32 in L1 first (16 values a load), and the block's
-// products read the widened copy: W's bytes from memory halve and the inner loop stays float32's.
-template <int NR, int V, typename T>
-inline void tile(const T* w, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t rs, int64_t cs, int64_t cols) {
-  constexpr bool kWiden = !std::is_same_v<T, float>;
+// A bfloat16 W (T) against float32 x^T (X): each block of its NR rows is widened to float32 in L1 first (16 values a
+// load), and the block's products read the widened copy: W's bytes from memory halve and the inner loop stays
+// float32's. Against bf16 pairs of x^T (X = Pair: vdpbf16ps, above) W is read as it is, a pair of values a step.
+struct Pair {  // two bfloat16 values of x^T's rows 2j and 2j + 1 in one 32-bit element
+  uint32_t bits;
+};
+
+template <int NR, int V, typename T, typename X>
+inline void tile(const T* w, int64_t k_len, const X* xt, int64_t ld, float* y, int64_t rs, int64_t cs, int64_t cols) {
+  constexpr bool kPairs = std::is_same_v<X, Pair>;
+  constexpr bool kWiden = !std::is_same_v<T, float> && !kPairs;
   alignas(64) float sums[NR][V * kLanes] = {};
   alignas(64) float widened[kWiden ? NR * kBlock : 1];
   for (int64_t k0 = 0; k0 < k_len; k0 += kBlock) {
     const int64_t k1 = std::min(k_len, k0 + kBlock);
     const float* wb;  // W's rows from this block's first step: wb[r * wld + (k - k0)] for k in [k0, k1)
     int64_t wld;
-    if constexpr (kWiden) {
+    if constexpr (kPairs) {
+      wb = nullptr, wld = 0;
+    } else if constexpr (kWiden) {
       for (int r = 0; r < NR; ++r) {
         const T* src = w + r * k_len + k0;
         float* dst = widened + r * kBlock;
@@ -83,14 +102,31 @@ inline void tile(const T* w, int64_t k_len, const float* xt, int64_t ld, float* 
     vfloat acc[NR][V];
     for (int r = 0; r < NR; ++r)
       for (int v = 0; v < V; ++v) acc[r][v] = simd::zero();
-    for (int64_t k = k0; k < k1; ++k) {
-      if ((k & 15) == 0)  // the next tile's W rows into L2 while this one computes: W comes from memory (an expert's once a step)
-        for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * k_len + k), _MM_HINT_T1);
-      vfloat xv[V];
-      for (int v = 0; v < V; ++v) xv[v] = simd::load(xt + k * ld + v * kLanes);
-      for (int r = 0; r < NR; ++r) {
-        const vfloat b = simd::set1(wb[r * wld + (k - k0)]);
-        for (int v = 0; v < V; ++v) acc[r][v] = simd::fmadd(b, xv[v], acc[r][v]);
+    if constexpr (kPairs) {
+#if defined(AFD_BROADCAST_DOT)
+      for (int64_t k = k0; k < k1; k += 2) {  // k_len even: whole pairs
+        if ((k & 31) == 0)  // the next tile's W rows into L2 (a cache line of bf16 every 32 steps)
+          for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * k_len + k), _MM_HINT_T1);
+        __m512i xv[V];
+        for (int v = 0; v < V; ++v) xv[v] = _mm512_loadu_si512(xt + (k / 2) * ld + v * kLanes);
+        for (int r = 0; r < NR; ++r) {
+          uint32_t pair;
+          std::memcpy(&pair, w + r * k_len + k, sizeof(pair));
+          const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
+          for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], b, (__m512bh)xv[v]);
+        }
+      }
+#endif
+    } else {
+      for (int64_t k = k0; k < k1; ++k) {
+        if ((k & 15) == 0)  // the next tile's W rows into L2 while this one computes: W comes from memory (an expert's once a step)
+          for (int r = 0; r < NR; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (NR + r) * k_len + k), _MM_HINT_T1);
+        vfloat xv[V];
+        for (int v = 0; v < V; ++v) xv[v] = simd::load(xt + k * ld + v * kLanes);
+        for (int r = 0; r < NR; ++r) {
+          const vfloat b = simd::set1(wb[r * wld + (k - k0)]);
+          for (int v = 0; v < V; ++v) acc[r][v] = simd::fmadd(b, xv[v], acc[r][v]);
+        }
       }
     }
     for (int r = 0; r < NR; ++r)
@@ -106,8 +142,8 @@ inline void tile(const T* w, int64_t k_len, const float* xt, int64_t ld, float* 
 }
 
 // W's rows [n0, n0 + rows) (a whole tile, or the last rows one at a time) against one panel of x^T's columns.
-template <int V, typename T>
-inline void panel(const T* w, int64_t n0, int64_t rows, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t rs,
+template <int V, typename T, typename X>
+inline void panel(const T* w, int64_t n0, int64_t rows, int64_t k_len, const X* xt, int64_t ld, float* y, int64_t rs,
                   int64_t cs, int64_t cols) {
   constexpr int NR = nr_for(V);
   if (rows == NR) return tile<NR, V>(w + n0 * k_len, k_len, xt, ld, y + n0 * rs, rs, cs, cols);
@@ -116,8 +152,8 @@ inline void panel(const T* w, int64_t n0, int64_t rows, int64_t k_len, const flo
 
 // One panel of V vectors of x^T's columns (from c0, cols of them read) against all of W, split over the threads by
 // tiles of W's rows.
-template <int V, typename T>
-void panel_product(const T* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t rs, int64_t cs,
+template <int V, typename T, typename X>
+void panel_product(const T* w, int64_t n_len, int64_t k_len, const X* xt, int64_t ld, float* y, int64_t rs, int64_t cs,
                    int64_t cols) {
   constexpr int NR = nr_for(V);
   at::parallel_for(0, (n_len + NR - 1) / NR, 1, [&](int64_t t0, int64_t t1) {
@@ -129,8 +165,8 @@ void panel_product(const T* w, int64_t n_len, int64_t k_len, const float* xt, in
 }
 
 // panel_product<v> for a width v of 1 to kVMax vectors known at run time
-template <int V, typename T>
-void of_width(int64_t v, const T* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* y, int64_t rs, int64_t cs,
+template <int V, typename T, typename X>
+void of_width(int64_t v, const T* w, int64_t n_len, int64_t k_len, const X* xt, int64_t ld, float* y, int64_t rs, int64_t cs,
               int64_t cols) {
   if (v == V) return panel_product<V>(w, n_len, k_len, xt, ld, y, rs, cs, cols);
   if constexpr (V < kVMax) return of_width<V + 1>(v, w, n_len, k_len, xt, ld, y, rs, cs, cols);
@@ -141,21 +177,21 @@ void of_width(int64_t v, const T* w, int64_t n_len, int64_t k_len, const float* 
 // kVMax vectors of columns (AVX-512: 96, all that the experts' loop and broadcast_linear's own dispatch give it) are
 // one panel; more (AVX2 builds, or broadcast_linear called directly past 96 rows) go in panels of vectors spread
 // evenly, W read once per panel.
-template <typename T>
-void product(const T* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, int64_t cols, float* y, int64_t rs,
+template <typename T, typename X>
+void product(const T* w, int64_t n_len, int64_t k_len, const X* xt, int64_t ld, int64_t cols, float* y, int64_t rs,
              int64_t cs) {
   const int64_t vectors = ld / kLanes, panels = (vectors + kVMax - 1) / kVMax;
   for (int64_t p = 0, c0 = 0; p < panels; ++p) {
     const int64_t v = vectors / panels + (p < vectors % panels ? 1 : 0), panel_cols = std::min(v * kLanes, cols - c0);
-    const float* xp = xt + c0;
+    const X* xp = xt + c0;
     float* yp = y + c0 * cs;
     of_width<1>(v, w, n_len, k_len, xp, ld, yp, rs, cs, panel_cols);
     c0 += v * kLanes;
   }
 }
 
-template <typename T>
-void gemm_t(const T* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* yt) {
+template <typename T, typename X>
+void gemm_t(const T* w, int64_t n_len, int64_t k_len, const X* xt, int64_t ld, float* yt) {
   TORCH_CHECK(ld % kLanes == 0 && ld <= broadcast_gemm_max_cols(k_len), "broadcast_gemm_t: x^T [", k_len, ", ", ld, "]");
   product(w, n_len, k_len, xt, ld, ld, yt, ld, 1);
 }
@@ -172,6 +208,21 @@ void broadcast_gemm_t(const float* w, int64_t n_len, int64_t k_len, const float*
 
 void broadcast_gemm_t(const c10::BFloat16* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* yt) {
   gemm_t(w, n_len, k_len, xt, ld, yt);
+}
+
+bool broadcast_gemm_pairs() {
+#if defined(AFD_BROADCAST_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void broadcast_gemm_t_pairs(const c10::BFloat16* w, int64_t n_len, int64_t k_len, const uint32_t* xt2, int64_t ld, float* yt) {
+  TORCH_CHECK(broadcast_gemm_pairs() && k_len % 2 == 0, "broadcast_gemm_t_pairs: K ", k_len, " on a build ",
+              broadcast_gemm_pairs() ? "with" : "without", " bf16 dot products");
+  static_assert(sizeof(Pair) == sizeof(uint32_t), "a pair of bfloat16 values in 32 bits");
+  gemm_t(w, n_len, k_len, reinterpret_cast<const Pair*>(xt2), ld, yt);
 }
 
 bool broadcast_linear_takes(at::ScalarType dtype, int64_t rows, int64_t k_len) {
@@ -227,6 +278,12 @@ void broadcast_gemm_t(const float*, int64_t, int64_t, const float*, int64_t, flo
 
 void broadcast_gemm_t(const c10::BFloat16*, int64_t, int64_t, const float*, int64_t, float*) {
   TORCH_CHECK(false, "broadcast_gemm_t: built without AVX-512 or AVX2");
+}
+
+bool broadcast_gemm_pairs() { return false; }
+
+void broadcast_gemm_t_pairs(const c10::BFloat16*, int64_t, int64_t, const uint32_t*, int64_t, float*) {
+  TORCH_CHECK(false, "broadcast_gemm_t_pairs: built without AVX-512");
 }
 
 at::Tensor broadcast_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {

@@ -128,6 +128,8 @@ constexpr int64_t kExactRowBytes = int64_t{16} << 20;
 // faster; 0 elsewhere.
 int64_t moe_experts_bf16_dot_rows() { return small_linear_bf16_dot() && !amx_bf16_usable() ? 32 : 0; }
 
+bool moe_experts_bf16_pairs() { return afd_moe::experts_bf16_pairs(); }
+
 namespace {
 
 bool experts_take_dot(at::ScalarType dtype, int64_t most) {
@@ -362,7 +364,8 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
   const auto dtype = x.scalar_type();
   const bool in_dtype = mxfp4 || (gate_up.scalar_type() == dtype && down.scalar_type() == dtype && gate_up.is_contiguous() && down.is_contiguous());
   // past the register tiles' float32 rows the transposed loop first: emulated bf16's tiles reach 63 rows, where its
-  // experts with 17-63 rows at most ran 1.3-2.1x slower in place (V2-Lite's 64 experts at 128-512 balanced tokens)
+  // experts with 17-63 rows at most ran 1.3-2.1x slower in place (V2-Lite's 64 experts at 128-512 balanced tokens);
+  // on vdpbf16ps the decode path's 32 rows, 1.15-1.4x slower at 160-256 tokens
   if (most > small_linear_max_rows() && experts_take_transposed(x, gate_up, down, math))
     return {experts_transposed(x, weights, gate_up, down, grouped, k, math), at::tensor(per_expert, index_options)};
   if ((small_linear_takes(dtype, most) || experts_take_dot(dtype, most)) && in_dtype)

@@ -1,5 +1,5 @@
 // float32 routed experts past decode sizes (a prefill step's few dozen rows an expert), computed transposed end to end;
-// bfloat16 ones too where the CPU emulates bf16 (below).
+// bfloat16 ones too where the CPU has no AMX-BF16 (below).
 //
 // broadcast_linear.cpp computes an expert's GEMM as y^T = W . x^T, W read once in place. Called per GEMM from the
 // ATen loop it transposes x in and y out each time, and the loop around it (a gather, silu, mul, the weighting, the
@@ -26,12 +26,16 @@
 // columns or more (broadcast_gemm_max_cols: H and I from 1,024 to 16,384, in AVX-512 builds); other float32 experts
 // past decode sizes keep the ATen loop.
 //
-// bfloat16 where it is emulated (no bf16 dot products, no AMX-BF16: there bf16 has faster paths of its own): x's rows
-// widened to float32 as they are gathered, W widened in L1 a block at a time by broadcast_gemm_t, the activation and
-// the sums in float32, and the output rounded to bf16 once (the ATen loop and its Python twin round after every op, so
-// this is the closer to float64 of the two, not their bits). No BLAS: an expert past what x^T holds goes through in
-// pieces of whole vectors of columns (V2-Lite's 97-192 rows: two), each transposed, and the result does not depend on
-// the thread count at all. V2-Lite's 64 experts at 512 / 1,024 tokens, 1 thread: 520 -> 433 ms, 919 -> 830 ms a call.
+// bfloat16 without AMX-BF16 (whose tiles take bf16 experts themselves). Where bf16 is emulated (no bf16 dot products):
+// x's rows widened to float32 as they are gathered, W widened in L1 a block at a time by broadcast_gemm_t, the
+// activation and the sums in float32. On bf16 dot products (AVX512-BF16): x^T gathered as pairs of rows and W read as
+// it is, two steps of k per vdpbf16ps (broadcast_gemm_t_pairs), the activation computed in float32 and rounded to bf16
+// once as the down GEMM's pairs. Either way the output is rounded to bf16 once (the ATen loop and its Python twin
+// round after every op, so this is the closer to float64 of the two, not their bits). No BLAS: an expert past what x^T
+// holds goes through in pieces of whole vectors of columns (V2-Lite's 97-192 rows: two), each transposed, and the
+// result does not depend on the thread count at all. V2-Lite's 64 experts, emulated, 512 / 1,024 tokens, 1 thread:
+// 520 -> 433 ms, 919 -> 830 ms a call; on vdpbf16ps (AMD EPYC, 2 threads, against the ATen loop's oneDNN GEMMs and
+// the 32-row decode path) 1.15-1.43x at 160-384 tokens, 1.19x at 512, 1.18x at 1,024, 1.09x at 2,048.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
@@ -60,6 +64,9 @@ int64_t max_cols(int64_t hidden, int64_t inter) {
   return std::min(broadcast_gemm_max_cols(hidden), broadcast_gemm_max_cols(inter));
 }
 
+// two bfloat16 values in one 32-bit element, the first in the lower half (vdpbf16ps multiplies element halves pairwise)
+inline uint32_t pair_of(c10::BFloat16 lo, c10::BFloat16 hi) { return uint32_t{lo.x} | (uint32_t{hi.x} << 16); }
+
 // The rows of an expert past what x^T holds (most_cols), in as few pieces of at most most_cols as there can be: whole
 // vectors of columns spread evenly, the last taking the rest (100 rows as 64 + 36 computes 112 columns where 50 + 50
 // computed 128), or equal pieces where that rest would fall to the row-major tiles (x^T of 32 columns, V3's 7,168-wide
@@ -78,16 +85,20 @@ std::vector<int64_t> pieces(int64_t rows, int64_t most_cols) {
 
 }  // namespace
 
+bool experts_bf16_pairs() { return broadcast_gemm_pairs() && !amx_bf16_usable(); }
+
 bool experts_take_transposed(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const ExpertMath& math) {
   const auto dtype = x.scalar_type();
-  return (dtype == at::kFloat || (dtype == at::kBFloat16 && bf16_emulated())) && gate_up.scalar_type() == dtype &&
-         down.scalar_type() == dtype && gate_up.is_contiguous() && down.is_contiguous() && !math.gate_up_scales && x.dim() == 2 &&
-         down.dim() == 3 && max_cols(x.size(1), down.size(2)) > 0;
+  const bool even = x.dim() == 2 && down.dim() == 3 && x.size(1) % 2 == 0 && down.size(2) % 2 == 0;  // whole pairs of K
+  return (dtype == at::kFloat || (dtype == at::kBFloat16 && (bf16_emulated() || (experts_bf16_pairs() && even)))) &&
+         gate_up.scalar_type() == dtype && down.scalar_type() == dtype && gate_up.is_contiguous() && down.is_contiguous() &&
+         !math.gate_up_scales && x.dim() == 2 && down.dim() == 3 && max_cols(x.size(1), down.size(2)) > 0;
 }
 
 namespace {
 
-// T: float32, or bfloat16 where it is emulated (W widened in L1 by broadcast_gemm_t, x as it is gathered)
+// T: float32, or bfloat16 without AMX-BF16 (emulated: W widened in L1 by broadcast_gemm_t, x as it is gathered; on
+// bf16 dot products: x^T and the activation as pairs of rows for broadcast_gemm_t_pairs)
 template <typename T>
 at::Tensor experts_loop(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
                         const Grouped& grouped, int64_t k, const ExpertMath& math) {
@@ -108,6 +119,9 @@ at::Tensor experts_loop(const at::Tensor& x, const at::Tensor& weights, const at
   const int64_t cap = kFloat ? std::max(most_cols, grouped.most) : most_cols;
   const auto buffer = [](int64_t n) { return std::unique_ptr<float[]>(new float[n]); };
   const auto xt = buffer(hidden * cap), gt = buffer(2 * inter * cap), act = buffer(inter * cap), yt = buffer(hidden * cap);
+  const bool pairs = !kFloat && experts_bf16_pairs();  // transposed products on bf16 dot products: x^T and a^T as pairs of rows
+  const auto pair_buffer = [&](int64_t n) { return std::unique_ptr<uint32_t[]>(pairs ? new uint32_t[n] : nullptr); };
+  const auto xt2 = pair_buffer(hidden / 2 * cap), act2 = pair_buffer(inter / 2 * cap);
   const auto blocks = [&](const std::function<void(int64_t, int64_t)>& run) {  // H in blocks of kBlockCols, over the threads
     at::parallel_for(0, (hidden + kBlockCols - 1) / kBlockCols, 1, [&](int64_t b0, int64_t b1_) {
       for (int64_t b = b0; b < b1_; ++b) run(b * kBlockCols, std::min(hidden, (b + 1) * kBlockCols));
@@ -125,7 +139,18 @@ at::Tensor experts_loop(const at::Tensor& x, const at::Tensor& weights, const at
       // row-major (ld = 1), on the register tiles or (float32 only) the BLAS, as small_linear gives them
       const bool transposed = n > small_linear_max_rows() && n <= most_cols;
       const int64_t ld = transposed ? (n + kLanes - 1) / kLanes * kLanes : 1, rs = transposed ? 1 : hidden;  // x^T[h][i] at h * ld + i * rs
-      blocks([&](int64_t h0, int64_t h1) {  // the rows gathered (as columns, the padding zeros)
+      const bool in_pairs = pairs && transposed;
+      blocks([&](int64_t h0, int64_t h1) {  // the rows gathered (as columns, the padding zeros); h0, h1 even
+        if constexpr (!kFloat) {
+          if (in_pairs) {
+            for (int64_t i = 0; i < n; ++i) {
+              const T* src = xs + (slot_rows[i] / k) * hidden;
+              for (int64_t h = h0; h < h1; h += 2) xt2[h / 2 * ld + i] = pair_of(src[h], src[h + 1]);
+            }
+            for (int64_t h = h0; h < h1; h += 2) std::fill(xt2.get() + h / 2 * ld + n, xt2.get() + (h / 2 + 1) * ld, 0u);
+            return;
+          }
+        }
         for (int64_t i = 0; i < n; ++i) {
           const T* src = xs + (slot_rows[i] / k) * hidden;
           for (int64_t h = h0; h < h1; ++h) xt[h * ld + i * rs] = static_cast<float>(src[h]);
@@ -134,8 +159,11 @@ at::Tensor experts_loop(const at::Tensor& x, const at::Tensor& weights, const at
           for (int64_t h = h0; h < h1; ++h) std::fill(xt.get() + h * ld + n, xt.get() + (h + 1) * ld, 0.f);
       });
       const at::Tensor w1 = gate_up[e], w2 = down[e];
-      const auto product = [&](const at::Tensor& w, const float* in, int64_t k_len, float* dst) {
+      const auto product = [&](const at::Tensor& w, const float* in, const uint32_t* in2, int64_t k_len, float* dst) {
         const int64_t n_len = w.size(0);
+        if constexpr (!kFloat) {
+          if (in_pairs) return broadcast_gemm_t_pairs(w.data_ptr<T>(), n_len, k_len, in2, ld, dst);
+        }
         if (transposed) {
           broadcast_gemm_t(w.data_ptr<T>(), n_len, k_len, in, ld, dst);
         } else if (!small_linear_takes(at::kFloat, n) || !small_gemm(in, n, k_len, w, dst)) {
@@ -145,7 +173,7 @@ at::Tensor experts_loop(const at::Tensor& x, const at::Tensor& weights, const at
           at::mm_out(o, at::from_blob(const_cast<float*>(in), {n, k_len}, f32), w.t());
         }
       };
-      product(w1, xt.get(), hidden, gt.get());
+      product(w1, xt.get(), xt2.get(), hidden, gt.get());
       // the activation: gate and up of channel r lie I x ld apart (transposed) or I apart in a row (row-major)
       const int64_t units = transposed ? inter : n;
       at::parallel_for(0, units, transposed ? 64 : 4, [&](int64_t u0, int64_t u1) {
@@ -165,7 +193,14 @@ at::Tensor experts_loop(const at::Tensor& x, const at::Tensor& weights, const at
         else
           for (int64_t i = u0; i < u1; ++i) activation(gt.get() + i * 2 * inter, act.get() + i * inter, inter, math);
       });
-      product(w2, act.get(), inter, yt.get());
+      if (in_pairs)  // a^T as pairs of rows: the activation rounded to bf16 once, as the down GEMM's input
+        at::parallel_for(0, inter / 2, 32, [&](int64_t j0, int64_t j1) {
+          for (int64_t j = j0; j < j1; ++j) {
+            const float *lo = act.get() + 2 * j * ld, *hi = lo + ld;
+            for (int64_t i = 0; i < ld; ++i) act2[j * ld + i] = pair_of(c10::BFloat16(lo[i]), c10::BFloat16(hi[i]));
+          }
+        });
+      product(w2, act.get(), act2.get(), inter, yt.get());
       const float* bias = b2.defined() ? b2.data_ptr<float>() + e * hidden : nullptr;
       blocks([&](int64_t h0, int64_t h1) {  // each row, weighted, into its token's
         for (int64_t i = 0; i < n; ++i) {

@@ -16,6 +16,7 @@ std::tuple<at::Tensor, at::Tensor> moe_experts(const at::Tensor& x, const at::Te
 
 bool paged_decode_vectorized();
 int64_t moe_experts_bf16_dot_rows();
+bool moe_experts_bf16_pairs();
 at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& w_kv_b, const at::Tensor& cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size, double scale, int64_t window);
 
@@ -97,6 +98,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("moe_experts_bf16_tiles") = pybind11::bool_(amx_bf16_usable());
   // without AMX, on vdpbf16ps: the C++ loop takes bf16 experts of up to this many rows each (0: no bf16 dot products)
   m.attr("moe_experts_bf16_dot_rows") = pybind11::int_(moe_experts_bf16_dot_rows());
+  // past 16 rows an expert, bf16 experts computed transposed on vdpbf16ps (moe_experts_transposed.cpp; without AMX-BF16)
+  m.attr("moe_experts_bf16_pairs") = pybind11::bool_(moe_experts_bf16_pairs());
   m.def("moe_experts", &moe_experts, "the routed experts held here, one GEMM pair per expert (moe_experts.cpp)",
         pybind11::arg("x"), pybind11::arg("local_ids"), pybind11::arg("weights"), pybind11::arg("gate_up"), pybind11::arg("down"),
         pybind11::arg("gate_up_bias") = pybind11::none(), pybind11::arg("down_bias") = pybind11::none(),

@@ -36,6 +36,10 @@ int64_t broadcast_linear_min_k();     // 1024
 void broadcast_gemm_t(const float* weight, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* yt);
 void broadcast_gemm_t(const c10::BFloat16* weight, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* yt);  // W widened in L1
 int64_t broadcast_gemm_max_cols(int64_t k_len);
+// bfloat16 W . x^T on bf16 dot products (vdpbf16ps), x^T held as pairs of its rows: [K/2, ld] 32-bit elements, element
+// (j, c) = (x^T[2j][c], x^T[2j+1][c]) as two bfloat16 values, the lower first; K even; the same columns as above
+bool broadcast_gemm_pairs();  // built for AVX512-BF16 (the build is this machine's)
+void broadcast_gemm_t_pairs(const c10::BFloat16* weight, int64_t n_len, int64_t k_len, const uint32_t* xt2, int64_t ld, float* yt);
 
 // The rows at::linear is called with for `rows` half-precision rows (small_linear pads them): `rows` up to 16, else
 // rounded up to a multiple of a quarter of its power of two (at most 25 % more; four sizes an octave), so that
