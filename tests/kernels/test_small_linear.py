@@ -278,14 +278,15 @@ def test_a_transposed_column_does_not_depend_on_the_panel_it_is_computed_in(dtyp
         assert torch.equal(kernels.broadcast_linear(x[:rows], w), whole[:rows]), rows
 
 
-@pytest.mark.parametrize("rows", [16, 17, 40, 63, 64, 96, 97])
+@pytest.mark.parametrize("rows", [16, 17, 21, 22, 40, 63, 64, 96, 97])
 @pytest.mark.parametrize("n, k", [(37, 1024), (40, 1000), (200, 2050)])  # 2,050: a K tail through the dispatch
-def test_bfloat16_rows_of_a_prefill_expert_run_transposed_where_bf16_is_emulated(rows, n, k):
+def test_bfloat16_rows_of_a_prefill_expert_run_transposed_without_amx(rows, n, k):
     """Where the CPU has neither bf16 dot products nor AMX-BF16 (bf16 emulated: the register tiles widen W for every
     tile of rows, and from 64 rows W is widened for the float32 BLAS), bfloat16 linears of 17-96 rows with K >= 1,024
-    run broadcast_linear's transposed product too, each block of W widened to float32 in L1: no BLAS call and no
-    register tile, the result rounded to bf16 once, within twice F.linear's own error against float64. Elsewhere (and
-    at other shapes) the paths before it, as close."""
+    run broadcast_linear's transposed product too, each block of W widened to float32 in L1; on bf16 dot products
+    without AMX-BF16, those of 22-96 rows, x^T as pairs of rows on vdpbf16ps. Either way no BLAS call and no register
+    tile, the result rounded to bf16 once, within twice F.linear's own error against float64. Elsewhere (and at other
+    shapes) the paths before it, as close."""
     kernels = native_ops()
     gen = torch.Generator().manual_seed(rows * 5 + n)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
@@ -294,11 +295,15 @@ def test_bfloat16_rows_of_a_prefill_expert_run_transposed_where_bf16_is_emulated
     got = linear(x, w, b)
     _close_to_exact(got, x, w, b)
     emulated = kernels.simd == "avx512" and not kernels.bf16_dot and kernels.bf16_tiles == "none"
-    takes = emulated and 16 < rows <= 96 and k >= 1024
+    pairs = kernels.broadcast_linear_min_pair_rows
+    assert pairs == (22 if kernels.moe_experts_bf16_pairs else 0)  # the experts' loop and the linears: one condition
+    takes = (emulated and 16 < rows <= 96 and k >= 1024) or (pairs and pairs <= rows <= 96 and k >= 1024 and k % 2 == 0)
+    if pairs:
+        assert _gemm_calls(lambda: linear(x, w, b)) == (0 if takes else 1)
     if kernels.small_linear_widen_rows:  # bf16 emulated: the tiles up to it, the widened BLAS from it, but where taken
         widened = rows >= kernels.small_linear_widen_rows
         assert _gemm_calls(lambda: linear(x, w, b)) == (0 if takes or not widened else 1)  # 64-96 rows: not widened
     if takes:  # the same bits as the kernel called directly (the tiles, below 64 rows, sum in another order)
         assert torch.equal(got, kernels.broadcast_linear(x, w, b))
-    if emulated:
+    if emulated or pairs:
         _close_to_exact(kernels.broadcast_linear(x, w), x, w, None)

@@ -60,6 +60,7 @@ constexpr int64_t kBlock = 256;            // steps of k an accumulator sums bef
 constexpr int64_t kMaxRows = afd_simd::kRegisters >= 32 ? 96 : 0;
 constexpr int64_t kMinK = 1024;            // shorter rows do not pay for x's transpose and y's (the built-in model's
                                            // K = 256: 0.75-0.95x MKL)
+constexpr int64_t kMinPairRows = 22;      // bf16 linears on vdpbf16ps (below): fewer rows keep oneDNN
 constexpr int64_t kMaxXtBytes = 1 << 20;   // x^T stays in L2 (half of a 2 MB one) while W streams past it
 
 // y^T's rows [0, NR) of its columns [0, cols) = W rows [0, NR) . x^T's columns [0, cols): V x NR accumulators, each
@@ -196,6 +197,15 @@ void gemm_t(const T* w, int64_t n_len, int64_t k_len, const X* xt, int64_t ld, f
   product(w, n_len, k_len, xt, ld, ld, yt, ld, 1);
 }
 
+#if defined(AFD_BROADCAST_DOT)
+constexpr bool kPairsBuilt = true;
+#else
+constexpr bool kPairsBuilt = false;
+#endif
+
+// bf16 on vdpbf16ps here, not AMX-BF16's tiles (which take bf16 linears and experts themselves where the OS grants them)
+bool pairs_usable() { return kPairsBuilt && !amx_bf16_usable(); }
+
 }  // namespace
 
 int64_t broadcast_gemm_max_cols(int64_t k_len) {
@@ -210,13 +220,7 @@ void broadcast_gemm_t(const c10::BFloat16* w, int64_t n_len, int64_t k_len, cons
   gemm_t(w, n_len, k_len, xt, ld, yt);
 }
 
-bool broadcast_gemm_pairs() {
-#if defined(AFD_BROADCAST_DOT)
-  return true;
-#else
-  return false;
-#endif
-}
+bool broadcast_gemm_pairs() { return kPairsBuilt; }
 
 void broadcast_gemm_t_pairs(const c10::BFloat16* w, int64_t n_len, int64_t k_len, const uint32_t* xt2, int64_t ld, float* yt) {
   TORCH_CHECK(broadcast_gemm_pairs() && k_len % 2 == 0, "broadcast_gemm_t_pairs: K ", k_len, " on a build ",
@@ -229,13 +233,16 @@ bool broadcast_linear_takes(at::ScalarType dtype, int64_t rows, int64_t k_len) {
   const int64_t ld = (rows + kLanes - 1) / kLanes * kLanes;
   // bfloat16 where the CPU has neither bf16 dot products nor AMX-BF16 (bf16 emulated): W widened in L1 a block at a
   // time, 17-96 rows of V2-Lite's 2048 -> 2816 with W from memory 1.2-2.1x the register tiles (to 63 rows) and W
-  // widened for the BLAS (from 64)
-  const bool bf16 = dtype == at::kBFloat16 && bf16_emulated();
+  // widened for the BLAS (from 64); on vdpbf16ps from 22 rows (17-20 were 0.90-1.14x oneDNN on V2-Lite's shapes, two
+  // vectors of columns computed for them; 24-64 rows 1.08-1.39x)
+  const bool bf16 = dtype == at::kBFloat16 && (bf16_emulated() || (pairs_usable() && k_len % 2 == 0 && rows >= kMinPairRows));
   return (dtype == at::kFloat || bf16) && rows > small_linear_max_rows() && rows <= kMaxRows && k_len >= kMinK &&
          k_len * ld * int64_t{sizeof(float)} <= kMaxXtBytes;
 }
 
 int64_t broadcast_linear_max_rows() { return kMaxRows; }
+
+int64_t broadcast_linear_min_pair_rows() { return pairs_usable() ? kMinPairRows : 0; }
 
 int64_t broadcast_linear_min_k() { return kMinK; }
 
@@ -251,9 +258,17 @@ at::Tensor broadcast_linear(const at::Tensor& x, const at::Tensor& weight, const
   const int64_t rows = x.size(0), k_len = x.size(1), n_len = weight.size(0);
   const int64_t ld = (rows + kLanes - 1) / kLanes * kLanes;  // x^T's columns, whole vectors (the padding zeros)
   const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor out = at::empty({rows, n_len}, f32);
+  if (bf16 && pairs_usable() && k_len % 2 == 0) {  // on vdpbf16ps: x's rows as 32-bit pairs, transposed, are x^T's pairs
+    at::Tensor xt2 = at::zeros({k_len / 2, ld}, x.options().dtype(at::kInt));
+    xt2.narrow(1, 0, rows).copy_(x.contiguous().view(at::kInt).t());
+    product(weight.data_ptr<c10::BFloat16>(), n_len, k_len, reinterpret_cast<const Pair*>(xt2.data_ptr<int32_t>()), ld, rows,
+            out.data_ptr<float>(), 1, n_len);
+    if (bias.has_value()) out.add_(bias->to(at::kFloat));
+    return out.to(at::kBFloat16);
+  }
   at::Tensor xt = at::zeros({k_len, ld}, f32);
   xt.narrow(1, 0, rows).copy_(x.t());
-  at::Tensor out = at::empty({rows, n_len}, f32);
   if (bf16)
     product(weight.data_ptr<c10::BFloat16>(), n_len, k_len, xt.data_ptr<float>(), ld, rows, out.data_ptr<float>(), 1, n_len);
   else
@@ -267,6 +282,8 @@ at::Tensor broadcast_linear(const at::Tensor& x, const at::Tensor& weight, const
 bool broadcast_linear_takes(at::ScalarType, int64_t, int64_t) { return false; }
 
 int64_t broadcast_linear_max_rows() { return 0; }
+
+int64_t broadcast_linear_min_pair_rows() { return 0; }
 
 int64_t broadcast_linear_min_k() { return 0; }
 

@@ -27,9 +27,11 @@ at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const c
 // W's values broadcast, W read once in place), for the few dozen rows an expert gets in a prefill step.
 at::Tensor broadcast_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 // float32 rows past small_linear's up to broadcast_linear_max_rows(), K of at least 1024, x^T within 1 MB; bfloat16
-// the same where bf16 is emulated (no bf16 dot products, no AMX-BF16), W widened in L1 a block at a time
+// the same where bf16 is emulated (no bf16 dot products, no AMX-BF16), W widened in L1 a block at a time, and on bf16
+// dot products without AMX-BF16 from broadcast_linear_min_pair_rows() (K even), x^T as pairs of rows
 bool broadcast_linear_takes(at::ScalarType dtype, int64_t rows, int64_t k_len);
 int64_t broadcast_linear_max_rows();  // 96 (0: not built)
+int64_t broadcast_linear_min_pair_rows();  // bfloat16 on vdpbf16ps from this many rows (22; 0: not on this CPU's build)
 int64_t broadcast_linear_min_k();     // 1024
 // Its product on buffers, kept transposed: yt [N, ld] = weight [N, K] (float32, contiguous) . xt [K, ld], ld a multiple
 // of the vector width up to broadcast_gemm_max_cols(K) (0 where K is short or the kernel is not built; xt within 1 MB).
