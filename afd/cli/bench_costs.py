@@ -63,6 +63,7 @@ def _fit(model, repeats: int) -> dict:
     (decode and prefill batches), the FFN fed the attention half's real output."""
     from afd.config import CacheConfig
     from afd.kvcache import PagedKVCache, build_attention_metadata, make_blocks
+    from afd.microbatch.learn import nonnegative_least_squares
 
     cfg = model.config
     layer = next((i for i in cfg.moe.layers if i not in cfg.moe.hash_layers), cfg.moe.layers[0])  # a hash layer routes by token id
@@ -107,9 +108,7 @@ def _fit(model, repeats: int) -> dict:
             meta, x = batch(n, 1, 128) if n <= 8 else batch(8, n // 8, 0)
             ffn_input = model.attention(layer, x, meta, cache.layer(0)).ffn_input  # the MLP's input: any layer's will do
             times.append(_median_time(lambda: model.dense_mlp(dense, ffn_input), repeats))
-        g = torch.linalg.lstsq(torch.tensor([[1.0, n] for n in local_ns], dtype=torch.float64),
-                               torch.tensor(times, dtype=torch.float64).unsqueeze(1)).solution.flatten()
-        local_call, local_token = max(float(g[0]), 0.0), max(float(g[1]), 0.0)
+        local_call, local_token = nonnegative_least_squares([(1.0, float(n)) for n in local_ns], times)
     touched = [e * (1 - (1 - k / e) ** n) for n in ns]
     f = torch.linalg.lstsq(torch.tensor([[1.0, n, t] for n, t in zip(ns, touched)], dtype=torch.float64),
                            torch.tensor([t for _, t in curve], dtype=torch.float64).unsqueeze(1)).solution.flatten()

@@ -27,7 +27,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     where it has no half-precision dot products, half-precision rows from 64 (AVX2: 128) widen W to float32 for the float32 BLAS
     (widened_linear.cpp; ``small_linear_widen_rows``); float32 rows past the tiles up to 96 with K >= 1,024 (a routed
     expert's in a prefill step) are computed transposed, W's values broadcast (broadcast_linear.cpp;
-    ``broadcast_linear_max_rows``), and so are bfloat16 ones where the CPU emulates bf16, W widened a block at a time.
+    ``broadcast_linear_max_rows``), and so are bfloat16 ones where the CPU emulates bf16, W widened a block at a time,
+    and, on bf16 dot products without AMX-BF16, bfloat16 rows from ``broadcast_linear_min_pair_rows`` on vdpbf16ps.
     Half-precision rows past those go to torch padded to ``kernels.linear_rows_bucket`` rows: oneDNN builds a kernel
     for every new shape, which costs more than the product at a serving step's ever-new row counts.
     ``GroupedExperts.reference`` calls it as moe_experts.cpp does, so past decode sizes the two agree bit for bit."""
@@ -341,7 +342,8 @@ def warm_up_linears(model: nn.Module, most_rows: int, budget_s: float = 2.0, mos
     ask of it, instead of inside the first steps that meet each: it JIT-compiles one per (rows, N, K) the first time
     it sees it (0.5-1 ms each at the built-in model's shapes, more at larger ones; rows as :func:`linear` pads them), and
     a server's first steps at each new batch size paid that (vllm_bench.py's first 32-stream round in bf16: 1.09x vLLM,
-    the later rounds 1.40-1.48x). float32 (MKL) builds nothing, and neither do the rows afd's kernels take. One call per
+    the later rounds 1.40-1.48x). float32 (MKL) builds nothing, and neither do the rows afd's kernels take (a bucket
+    whose every row count they take: broadcast_linear's on vdpbf16ps, for one). One call per
     distinct weight shape and padded row count, on the model's own weights, fewest rows first, until ``budget_s``
     is spent, and none of more than ``most_product`` rows x N x K (a large model's LM head at a prefill's rows would
     be a GEMM of seconds and gigabytes; its steps ask it for one row a sequence). Returns (calls, the most rows
@@ -361,10 +363,17 @@ def warm_up_linears(model: nn.Module, most_rows: int, budget_s: float = 2.0, mos
     if not weights:
         return 0, 0
     buckets = sorted({kernels.linear_rows_bucket(r) for r in range(min(first_native.values()) + 1, most_rows + 1)})
+    pairs = kernels.broadcast_linear_min_pair_rows  # bf16 rows from here to 96 (K >= 1,024, even) on vdpbf16ps: not oneDNN's
+
+    def ours(first: int, last: int, k: int, dtype: torch.dtype) -> bool:  # every row count padded to this bucket
+        return (dtype == torch.bfloat16 and 0 < pairs <= first and last <= kernels.broadcast_linear_max_rows
+                and k >= kernels.broadcast_linear_min_k and k % 2 == 0)
+
     calls, reached, deadline = 0, 0, time.monotonic() + budget_s
     with torch.no_grad():
-        for rows in buckets:
-            took = [(k, w) for ((n, k), dtype), w in weights.items() if first_native[dtype] < rows and rows * n * k <= most_product]
+        for first, rows in zip([min(first_native.values()) + 1] + [b + 1 for b in buckets], buckets):
+            took = [(k, w) for ((n, k), dtype), w in weights.items()
+                    if first_native[dtype] < rows and rows * n * k <= most_product and not ours(first, rows, k, dtype)]
             if not took or time.monotonic() >= deadline:
                 break
             for k, w in took:

@@ -175,7 +175,8 @@ def test_warm_up_builds_every_half_precision_shape_a_step_will_ask_for(monkeypat
     assert layers.warm_up_linears(torch.nn.Linear(64, 48).to(torch.bfloat16), real.small_linear_max_bf16_rows) == (0, 0)
     # the native rows as on an AVX512-BF16 CPU without AMX (6), whatever this CPU takes (AVX2: every bf16 row count)
     kernels = types.SimpleNamespace(small_linear_max_bf16_rows=6, small_linear_max_half_rows=6, small_linear_widen_rows=0,
-                                    linear_rows_bucket=real.linear_rows_bucket)
+                                    linear_rows_bucket=real.linear_rows_bucket, broadcast_linear_min_pair_rows=0,
+                                    broadcast_linear_max_rows=96, broadcast_linear_min_k=1024)
     monkeypatch.setattr(layers, "native_ops", lambda: kernels)
     model = torch.nn.Sequential(Linear(64, 48, bias=False), Linear(64, 48, bias=False), Linear(48, 32, bias=False)).to(torch.bfloat16)
     seen = []
@@ -191,6 +192,15 @@ def test_warm_up_builds_every_half_precision_shape_a_step_will_ask_for(monkeypat
     seen.clear()
     assert layers.warm_up_linears(model, 100, budget_s=0.0) == (0, 0) and not seen
     assert layers.warm_up_linears(model.float(), 100) == (0, 0) and not seen
+    model.to(torch.bfloat16)  # .float() converted it in place
+    # bf16 on vdpbf16ps from 21 rows, K >= 64 here: the buckets whose every row count it takes (21-24 ... 81-96)
+    # are not oneDNN's; 17-20 (padded to 20) and 97-100 (to 112) still are; a weight of shorter K, all of them
+    kernels.broadcast_linear_min_pair_rows, kernels.broadcast_linear_min_k = 21, 64  # K 64 taken, K 48 not
+    calls, _ = layers.warm_up_linears(model, 100)
+    assert set(seen) == {(r, s) for r, s in want if s == (32, 48) or not 21 < r <= 96} and len(seen) == calls, sorted(seen)
+    assert (20, (48, 64)) in seen and (24, (48, 64)) not in seen and (112, (48, 64)) in seen
+    seen.clear()
+    kernels.broadcast_linear_min_pair_rows = 0
     kernels.small_linear_widen_rows = 64  # no half-precision dot products: past the tiles W is widened, not oneDNN's
     assert layers.warm_up_linears(model, 100) == (0, 0) and not seen
 
@@ -278,13 +288,13 @@ def test_a_transposed_column_does_not_depend_on_the_panel_it_is_computed_in(dtyp
         assert torch.equal(kernels.broadcast_linear(x[:rows], w), whole[:rows]), rows
 
 
-@pytest.mark.parametrize("rows", [16, 17, 21, 22, 40, 63, 64, 96, 97])
+@pytest.mark.parametrize("rows", [16, 17, 20, 21, 40, 63, 64, 96, 97])
 @pytest.mark.parametrize("n, k", [(37, 1024), (40, 1000), (200, 2050)])  # 2,050: a K tail through the dispatch
 def test_bfloat16_rows_of_a_prefill_expert_run_transposed_without_amx(rows, n, k):
     """Where the CPU has neither bf16 dot products nor AMX-BF16 (bf16 emulated: the register tiles widen W for every
     tile of rows, and from 64 rows W is widened for the float32 BLAS), bfloat16 linears of 17-96 rows with K >= 1,024
     run broadcast_linear's transposed product too, each block of W widened to float32 in L1; on bf16 dot products
-    without AMX-BF16, those of 22-96 rows, x^T as pairs of rows on vdpbf16ps. Either way no BLAS call and no register
+    without AMX-BF16, those of 21-96 rows, x^T as pairs of rows on vdpbf16ps. Either way no BLAS call and no register
     tile, the result rounded to bf16 once, within twice F.linear's own error against float64. Elsewhere (and at other
     shapes) the paths before it, as close."""
     kernels = native_ops()
@@ -296,7 +306,7 @@ def test_bfloat16_rows_of_a_prefill_expert_run_transposed_without_amx(rows, n, k
     _close_to_exact(got, x, w, b)
     emulated = kernels.simd == "avx512" and not kernels.bf16_dot and kernels.bf16_tiles == "none"
     pairs = kernels.broadcast_linear_min_pair_rows
-    assert pairs == (22 if kernels.moe_experts_bf16_pairs else 0)  # the experts' loop and the linears: one condition
+    assert pairs == (21 if kernels.moe_experts_bf16_pairs else 0)  # the experts' loop and the linears: one condition
     takes = (emulated and 16 < rows <= 96 and k >= 1024) or (pairs and pairs <= rows <= 96 and k >= 1024 and k % 2 == 0)
     if pairs:
         assert _gemm_calls(lambda: linear(x, w, b)) == (0 if takes else 1)

@@ -147,3 +147,27 @@ def test_the_learned_costs_decide_m_not_the_configured_ones():
     unlearned = plan([prefill], [None])
     assert not unlearned.learned and unlearned.cost == configured
 
+
+
+def test_the_runner_shows_the_learner_its_local_layers_apart_from_attention():
+    """DisaggregatedRunner._learn: a micro-batch's work here over the step, less its local layers' MLP time, per layer is the
+    attention sample; the MLP time per local layer is the local sample (the runner times both, disagg_runner.run)."""
+    from types import SimpleNamespace
+
+    from afd.attention.disagg_runner import DisaggregatedRunner, _Microbatch
+    from afd.microbatch import MicrobatchPlan, Span
+
+    seen = {}
+    runner = DisaggregatedRunner.__new__(DisaggregatedRunner)  # only what _learn reads
+    runner.model = SimpleNamespace(config=SimpleNamespace(num_layers=4))
+    runner.local_layers, runner.ffn_busy_s = 1, 0.0
+    runner.learner = SimpleNamespace(observe=lambda *a: seen.setdefault("args", a))
+    pieces = ((Span(0, 0, 6),), (Span(0, 6, 2),))
+    runner.last_plan = MicrobatchPlan(pieces, (1.0, 1.0), 2, "token")
+    mbs = [_Microbatch(0, None, None, work_s=1.0, local_s=0.4, ffn_s=0.3, ffn_layers=3, wire_s=0.02),
+           _Microbatch(1, None, None, work_s=0.5, local_s=0.2, ffn_s=0.15, ffn_layers=3, wire_s=0.04)]
+    runner._learn(SimpleNamespace(union_tokens=(6, 2)), mbs)
+    attention, ffn, transfer, local = seen["args"]
+    assert [(n, s) for n, _, s in attention] == [(6, pytest.approx(0.6 / 4)), (2, pytest.approx(0.3 / 4))]
+    assert local == [(6, pytest.approx(0.4)), (2, pytest.approx(0.2))] and ffn == [(6, pytest.approx(0.1)), (2, pytest.approx(0.05))]
+    assert transfer == [0.01, 0.02] and runner.ffn_busy_s == pytest.approx(0.45)

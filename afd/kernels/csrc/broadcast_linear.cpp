@@ -60,7 +60,8 @@ constexpr int64_t kBlock = 256;            // steps of k an accumulator sums bef
 constexpr int64_t kMaxRows = afd_simd::kRegisters >= 32 ? 96 : 0;
 constexpr int64_t kMinK = 1024;            // shorter rows do not pay for x's transpose and y's (the built-in model's
                                            // K = 256: 0.75-0.95x MKL)
-constexpr int64_t kMinPairRows = 22;      // bf16 linears on vdpbf16ps (below): fewer rows keep oneDNN
+constexpr int64_t kMinPairRows = 21;      // bf16 linears on vdpbf16ps (below): fewer rows keep oneDNN; 21 starts a
+                                          // linear_rows_bucket (21-24), so a bucket is wholly ours or oneDNN's
 constexpr int64_t kMaxXtBytes = 1 << 20;   // x^T stays in L2 (half of a 2 MB one) while W streams past it
 
 // y^T's rows [0, NR) of its columns [0, cols) = W rows [0, NR) . x^T's columns [0, cols): V x NR accumulators, each
@@ -233,8 +234,8 @@ bool broadcast_linear_takes(at::ScalarType dtype, int64_t rows, int64_t k_len) {
   const int64_t ld = (rows + kLanes - 1) / kLanes * kLanes;
   // bfloat16 where the CPU has neither bf16 dot products nor AMX-BF16 (bf16 emulated): W widened in L1 a block at a
   // time, 17-96 rows of V2-Lite's 2048 -> 2816 with W from memory 1.2-2.1x the register tiles (to 63 rows) and W
-  // widened for the BLAS (from 64); on vdpbf16ps from 22 rows (17-20 were 0.90-1.14x oneDNN on V2-Lite's shapes, two
-  // vectors of columns computed for them; 24-64 rows 1.08-1.39x)
+  // widened for the BLAS (from 64); on vdpbf16ps from 21 rows (17-20 were 0.90-1.14x oneDNN on V2-Lite's shapes, two
+  // vectors of columns computed for them; 22 rows 1.00-1.17x, 24-64 rows 1.08-1.39x)
   const bool bf16 = dtype == at::kBFloat16 && (bf16_emulated() || (pairs_usable() && k_len % 2 == 0 && rows >= kMinPairRows));
   return (dtype == at::kFloat || bf16) && rows > small_linear_max_rows() && rows <= kMaxRows && k_len >= kMinK &&
          k_len * ld * int64_t{sizeof(float)} <= kMaxXtBytes;

@@ -31,7 +31,7 @@ at::Tensor broadcast_linear(const at::Tensor& x, const at::Tensor& weight, const
 // dot products without AMX-BF16 from broadcast_linear_min_pair_rows() (K even), x^T as pairs of rows
 bool broadcast_linear_takes(at::ScalarType dtype, int64_t rows, int64_t k_len);
 int64_t broadcast_linear_max_rows();  // 96 (0: not built)
-int64_t broadcast_linear_min_pair_rows();  // bfloat16 on vdpbf16ps from this many rows (22; 0: not on this CPU's build)
+int64_t broadcast_linear_min_pair_rows();  // bfloat16 on vdpbf16ps from this many rows (21; 0: not on this CPU's build)
 int64_t broadcast_linear_min_k();     // 1024
 // Its product on buffers, kept transposed: yt [N, ld] = weight [N, K] (float32, contiguous) . xt [K, ld], ld a multiple
 // of the vector width up to broadcast_gemm_max_cols(K) (0 where K is short or the kernel is not built; xt within 1 MB).
