@@ -363,11 +363,9 @@ def warm_up_linears(model: nn.Module, most_rows: int, budget_s: float = 2.0, mos
     if not weights:
         return 0, 0
     buckets = sorted({kernels.linear_rows_bucket(r) for r in range(min(first_native.values()) + 1, most_rows + 1)})
-    pairs = kernels.broadcast_linear_min_pair_rows  # bf16 rows from here to 96 (K >= 1,024, even) on vdpbf16ps: not oneDNN's
 
-    def ours(first: int, last: int, k: int, dtype: torch.dtype) -> bool:  # every row count padded to this bucket
-        return (dtype == torch.bfloat16 and 0 < pairs <= first and last <= kernels.broadcast_linear_max_rows
-                and k >= kernels.broadcast_linear_min_k and k % 2 == 0)
+    def ours(first: int, last: int, k: int, dtype: torch.dtype) -> bool:  # every row count padded to this bucket, afd's
+        return kernels.broadcast_linear_takes(dtype, first, k) and kernels.broadcast_linear_takes(dtype, last, k)  # an interval
 
     calls, reached, deadline = 0, 0, time.monotonic() + budget_s
     with torch.no_grad():

@@ -175,8 +175,7 @@ def test_warm_up_builds_every_half_precision_shape_a_step_will_ask_for(monkeypat
     assert layers.warm_up_linears(torch.nn.Linear(64, 48).to(torch.bfloat16), real.small_linear_max_bf16_rows) == (0, 0)
     # the native rows as on an AVX512-BF16 CPU without AMX (6), whatever this CPU takes (AVX2: every bf16 row count)
     kernels = types.SimpleNamespace(small_linear_max_bf16_rows=6, small_linear_max_half_rows=6, small_linear_widen_rows=0,
-                                    linear_rows_bucket=real.linear_rows_bucket, broadcast_linear_min_pair_rows=0,
-                                    broadcast_linear_max_rows=96, broadcast_linear_min_k=1024)
+                                    linear_rows_bucket=real.linear_rows_bucket, broadcast_linear_takes=lambda dtype, rows, k: False)
     monkeypatch.setattr(layers, "native_ops", lambda: kernels)
     model = torch.nn.Sequential(Linear(64, 48, bias=False), Linear(64, 48, bias=False), Linear(48, 32, bias=False)).to(torch.bfloat16)
     seen = []
@@ -195,12 +194,12 @@ def test_warm_up_builds_every_half_precision_shape_a_step_will_ask_for(monkeypat
     model.to(torch.bfloat16)  # .float() converted it in place
     # bf16 on vdpbf16ps from 21 rows, K >= 64 here: the buckets whose every row count it takes (21-24 ... 81-96)
     # are not oneDNN's; 17-20 (padded to 20) and 97-100 (to 112) still are; a weight of shorter K, all of them
-    kernels.broadcast_linear_min_pair_rows, kernels.broadcast_linear_min_k = 21, 64  # K 64 taken, K 48 not
+    kernels.broadcast_linear_takes = lambda dtype, rows, k: dtype == torch.bfloat16 and 21 <= rows <= 96 and k >= 64  # K 48 not
     calls, _ = layers.warm_up_linears(model, 100)
     assert set(seen) == {(r, s) for r, s in want if s == (32, 48) or not 21 < r <= 96} and len(seen) == calls, sorted(seen)
     assert (20, (48, 64)) in seen and (24, (48, 64)) not in seen and (112, (48, 64)) in seen
     seen.clear()
-    kernels.broadcast_linear_min_pair_rows = 0
+    kernels.broadcast_linear_takes = lambda dtype, rows, k: False
     kernels.small_linear_widen_rows = 64  # no half-precision dot products: past the tiles W is widened, not oneDNN's
     assert layers.warm_up_linears(model, 100) == (0, 0) and not seen
 
@@ -308,6 +307,8 @@ def test_bfloat16_rows_of_a_prefill_expert_run_transposed_without_amx(rows, n, k
     pairs = kernels.broadcast_linear_min_pair_rows
     assert pairs == (21 if kernels.moe_experts_bf16_pairs else 0)  # the experts' loop and the linears: one condition
     takes = (emulated and 16 < rows <= 96 and k >= 1024) or (pairs and pairs <= rows <= 96 and k >= 1024 and k % 2 == 0)
+    assert kernels.broadcast_linear_takes(torch.bfloat16, rows, k) == bool(takes)  # what warm_up_linears asks
+    assert not kernels.broadcast_linear_takes(torch.bfloat16, 48, 7168)  # x^T past 1 MB (V3's rows): oneDNN's, warmed
     if pairs:
         assert _gemm_calls(lambda: linear(x, w, b)) == (0 if takes else 1)
     if kernels.small_linear_widen_rows:  # bf16 emulated: the tiles up to it, the widened BLAS from it, but where taken

@@ -204,9 +204,6 @@ constexpr bool kPairsBuilt = true;
 constexpr bool kPairsBuilt = false;
 #endif
 
-// bf16 on vdpbf16ps here, not AMX-BF16's tiles (which take bf16 linears and experts themselves where the OS grants them)
-bool pairs_usable() { return kPairsBuilt && !amx_bf16_usable(); }
-
 }  // namespace
 
 int64_t broadcast_gemm_max_cols(int64_t k_len) {
@@ -221,11 +218,12 @@ void broadcast_gemm_t(const c10::BFloat16* w, int64_t n_len, int64_t k_len, cons
   gemm_t(w, n_len, k_len, xt, ld, yt);
 }
 
-bool broadcast_gemm_pairs() { return kPairsBuilt; }
+// bf16 on vdpbf16ps here, not AMX-BF16's tiles (which take bf16 linears and experts themselves where the OS grants them)
+bool broadcast_gemm_pairs() { return kPairsBuilt && !amx_bf16_usable(); }
 
 void broadcast_gemm_t_pairs(const c10::BFloat16* w, int64_t n_len, int64_t k_len, const uint32_t* xt2, int64_t ld, float* yt) {
-  TORCH_CHECK(broadcast_gemm_pairs() && k_len % 2 == 0, "broadcast_gemm_t_pairs: K ", k_len, " on a build ",
-              broadcast_gemm_pairs() ? "with" : "without", " bf16 dot products");
+  TORCH_CHECK(broadcast_gemm_pairs() && k_len % 2 == 0, "broadcast_gemm_t_pairs: K ", k_len, " where bf16 dot products ",
+              broadcast_gemm_pairs() ? "run" : "are not built or AMX-BF16 takes bf16");
   static_assert(sizeof(Pair) == sizeof(uint32_t), "a pair of bfloat16 values in 32 bits");
   gemm_t(w, n_len, k_len, reinterpret_cast<const Pair*>(xt2), ld, yt);
 }
@@ -236,14 +234,14 @@ bool broadcast_linear_takes(at::ScalarType dtype, int64_t rows, int64_t k_len) {
   // time, 17-96 rows of V2-Lite's 2048 -> 2816 with W from memory 1.2-2.1x the register tiles (to 63 rows) and W
   // widened for the BLAS (from 64); on vdpbf16ps from 21 rows (17-20 were 0.90-1.14x oneDNN on V2-Lite's shapes, two
   // vectors of columns computed for them; 22 rows 1.00-1.17x, 24-64 rows 1.08-1.39x)
-  const bool bf16 = dtype == at::kBFloat16 && (bf16_emulated() || (pairs_usable() && k_len % 2 == 0 && rows >= kMinPairRows));
+  const bool bf16 = dtype == at::kBFloat16 && (bf16_emulated() || (broadcast_gemm_pairs() && k_len % 2 == 0 && rows >= kMinPairRows));
   return (dtype == at::kFloat || bf16) && rows > small_linear_max_rows() && rows <= kMaxRows && k_len >= kMinK &&
          k_len * ld * int64_t{sizeof(float)} <= kMaxXtBytes;
 }
 
 int64_t broadcast_linear_max_rows() { return kMaxRows; }
 
-int64_t broadcast_linear_min_pair_rows() { return pairs_usable() ? kMinPairRows : 0; }
+int64_t broadcast_linear_min_pair_rows() { return broadcast_gemm_pairs() ? kMinPairRows : 0; }
 
 int64_t broadcast_linear_min_k() { return kMinK; }
 
@@ -260,7 +258,7 @@ at::Tensor broadcast_linear(const at::Tensor& x, const at::Tensor& weight, const
   const int64_t ld = (rows + kLanes - 1) / kLanes * kLanes;  // x^T's columns, whole vectors (the padding zeros)
   const auto f32 = x.options().dtype(at::kFloat);
   at::Tensor out = at::empty({rows, n_len}, f32);
-  if (bf16 && pairs_usable() && k_len % 2 == 0) {  // on vdpbf16ps: x's rows as 32-bit pairs, transposed, are x^T's pairs
+  if (bf16 && broadcast_gemm_pairs() && k_len % 2 == 0) {  // on vdpbf16ps: x's rows as 32-bit pairs, transposed, are x^T's pairs
     at::Tensor xt2 = at::zeros({k_len / 2, ld}, x.options().dtype(at::kInt));
     xt2.narrow(1, 0, rows).copy_(x.contiguous().view(at::kInt).t());
     product(weight.data_ptr<c10::BFloat16>(), n_len, k_len, reinterpret_cast<const Pair*>(xt2.data_ptr<int32_t>()), ld, rows,

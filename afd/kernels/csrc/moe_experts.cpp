@@ -128,7 +128,8 @@ constexpr int64_t kExactRowBytes = int64_t{16} << 20;
 // faster; 0 elsewhere.
 int64_t moe_experts_bf16_dot_rows() { return small_linear_bf16_dot() && !amx_bf16_usable() ? 32 : 0; }
 
-bool moe_experts_bf16_pairs() { return afd_moe::experts_bf16_pairs(); }
+// bf16 experts past 16 rows on vdpbf16ps (moe_experts_transposed.cpp): where broadcast_linear's pairs run
+bool moe_experts_bf16_pairs() { return broadcast_gemm_pairs(); }
 
 namespace {
 

@@ -73,9 +73,6 @@ Grouped group_by_expert(const at::Tensor& local_ids, int64_t num_experts);
 // of a few dozen rows kept transposed end to end (its top says how); whether it takes x and experts of H -> I -> H, and
 // the loop.
 bool experts_take_transposed(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const ExpertMath& math);
-// bfloat16 on bf16 dot products (AVX512-BF16 without AMX-BF16, whose tiles take bf16 experts themselves): x^T and the
-// activation kept as pairs of rows for broadcast_gemm_t_pairs
-bool experts_bf16_pairs();
 at::Tensor experts_transposed(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down,
                               const Grouped& grouped, int64_t k, const ExpertMath& math);
 

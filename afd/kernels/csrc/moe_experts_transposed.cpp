@@ -85,12 +85,10 @@ std::vector<int64_t> pieces(int64_t rows, int64_t most_cols) {
 
 }  // namespace
 
-bool experts_bf16_pairs() { return broadcast_gemm_pairs() && !amx_bf16_usable(); }
-
 bool experts_take_transposed(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const ExpertMath& math) {
   const auto dtype = x.scalar_type();
   const bool even = x.dim() == 2 && down.dim() == 3 && x.size(1) % 2 == 0 && down.size(2) % 2 == 0;  // whole pairs of K
-  return (dtype == at::kFloat || (dtype == at::kBFloat16 && (bf16_emulated() || (experts_bf16_pairs() && even)))) &&
+  return (dtype == at::kFloat || (dtype == at::kBFloat16 && (bf16_emulated() || (broadcast_gemm_pairs() && even)))) &&
          gate_up.scalar_type() == dtype && down.scalar_type() == dtype && gate_up.is_contiguous() && down.is_contiguous() &&
          !math.gate_up_scales && x.dim() == 2 && down.dim() == 3 && max_cols(x.size(1), down.size(2)) > 0;
 }
@@ -119,7 +117,7 @@ at::Tensor experts_loop(const at::Tensor& x, const at::Tensor& weights, const at
   const int64_t cap = kFloat ? std::max(most_cols, grouped.most) : most_cols;
   const auto buffer = [](int64_t n) { return std::unique_ptr<float[]>(new float[n]); };
   const auto xt = buffer(hidden * cap), gt = buffer(2 * inter * cap), act = buffer(inter * cap), yt = buffer(hidden * cap);
-  const bool pairs = !kFloat && experts_bf16_pairs();  // transposed products on bf16 dot products: x^T and a^T as pairs of rows
+  const bool pairs = !kFloat && broadcast_gemm_pairs();  // transposed products on bf16 dot products: x^T and a^T as pairs of rows
   const auto pair_buffer = [&](int64_t n) { return std::unique_ptr<uint32_t[]>(pairs ? new uint32_t[n] : nullptr); };
   const auto xt2 = pair_buffer(hidden / 2 * cap), act2 = pair_buffer(inter / 2 * cap);
   const auto blocks = [&](const std::function<void(int64_t, int64_t)>& run) {  // H in blocks of kBlockCols, over the threads

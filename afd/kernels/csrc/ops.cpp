@@ -70,6 +70,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("broadcast_linear_min_k") = pybind11::int_(broadcast_linear_min_k());  // and K at least this, x^T within 1 MB
   // bf16 rows from this many on vdpbf16ps (x^T as pairs of rows; 0: no bf16 dot products, or AMX-BF16's tiles instead)
   m.attr("broadcast_linear_min_pair_rows") = pybind11::int_(broadcast_linear_min_pair_rows());
+  m.def("broadcast_linear_takes", &broadcast_linear_takes, "whether `linear` gives x [rows, K] of this dtype to broadcast_linear "
+        "(for a fixed dtype and K, the rows it takes are one interval)", pybind11::arg("dtype"), pybind11::arg("rows"), pybind11::arg("k"));
   m.def("linear_rows_bucket", &linear_rows_bucket, "the rows `linear` gives at::linear for this many bf16/fp16 rows it does "
         "not compute itself: padded so that oneDNN builds a kernel for few shapes (small_linear.cpp)");
   m.attr("small_linear_vectorized") = pybind11::bool_(small_linear_vectorized());

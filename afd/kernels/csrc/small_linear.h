@@ -40,7 +40,7 @@ void broadcast_gemm_t(const c10::BFloat16* weight, int64_t n_len, int64_t k_len,
 int64_t broadcast_gemm_max_cols(int64_t k_len);
 // bfloat16 W . x^T on bf16 dot products (vdpbf16ps), x^T held as pairs of its rows: [K/2, ld] 32-bit elements, element
 // (j, c) = (x^T[2j][c], x^T[2j+1][c]) as two bfloat16 values, the lower first; K even; the same columns as above
-bool broadcast_gemm_pairs();  // built for AVX512-BF16 (the build is this machine's)
+bool broadcast_gemm_pairs();  // built for AVX512-BF16 (the build is this machine's), and no AMX-BF16 takes bf16 instead
 void broadcast_gemm_t_pairs(const c10::BFloat16* weight, int64_t n_len, int64_t k_len, const uint32_t* xt2, int64_t ld, float* yt);
 
 // The rows at::linear is called with for `rows` half-precision rows (small_linear pads them): `rows` up to 16, else
