@@ -26,8 +26,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     and bfloat16 up to 128 rows AMX-BF16's tiles where the CPU has them (amx.cpp; ``small_linear_max_bf16_rows``);
     where it has no half-precision dot products, half-precision rows from 64 (AVX2: 128) widen W to float32 for the float32 BLAS
     (widened_linear.cpp; ``small_linear_widen_rows``); float32 rows past the tiles up to 96 with K >= 1,024 (a routed
-    expert's in a prefill step) are computed transposed, W's values broadcast (broadcast_linear.cpp;
-    ``broadcast_linear_max_rows``), and so are bfloat16 ones where the CPU emulates bf16, W widened a block at a time,
+    expert's in a prefill step), and up to 64 with K of 128-1,023 (a small model's decode step, W from memory), are
+    computed transposed, W's values broadcast (broadcast_linear.cpp; ``broadcast_linear_takes``), and so are bfloat16 ones where the CPU emulates bf16, W widened a block at a time,
     and, on bf16 dot products without AMX-BF16, bfloat16 rows from ``broadcast_linear_min_pair_rows`` on vdpbf16ps.
     Half-precision rows past those go to torch padded to ``kernels.linear_rows_bucket`` rows: oneDNN builds a kernel
     for every new shape, which costs more than the product at a serving step's ever-new row counts.
@@ -36,7 +36,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         kernels = native_ops()
         rows = x.shape[0]
         if kernels is not None and (x.dtype != torch.float32 or rows <= kernels.small_linear_max_rows
-                                    or (rows <= kernels.broadcast_linear_max_rows and x.shape[1] >= kernels.broadcast_linear_min_k)):
+                                    or kernels.broadcast_linear_takes(x.dtype, rows, x.shape[1])):
             return kernels.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -285,6 +285,28 @@ def test_float32_prefill_experts_run_transposed_with_no_aten_op_per_expert(held,
         assert torch.equal(got[2], want), (got[2] - want).abs().max()
 
 
+def test_float32_experts_of_a_short_k_run_transposed_up_to_64_rows_an_expert():
+    """The built-in model's experts (H 256, I 192: K under 1,024) take the transposed loop at 17-64 rows an expert, as
+    broadcast_linear takes such rows (a decode step's experts, W from memory); past 64 rows the ATen loop's BLAS.
+    Either way within float32's rounding of float64, at least as close as the Python loop; bf16 keeps its loop."""
+    kernels = native_ops()
+    assert kernels is not None, "afd/kernels did not build here"
+    experts = make_experts(list(range(8)), hidden=256, inter=192)
+    gen = torch.Generator().manual_seed(4)
+    for per_expert in (17, 40, 64, 65, 80):
+        t = 4 * per_expert  # top-2 of 8, spread evenly: per_expert rows on every expert
+        x = torch.randn(t, 256, generator=gen)
+        ids = (torch.arange(2 * t) % 8).view(t, 2)
+        weights = torch.rand(t, 2, generator=gen)
+        ops = _aten_ops(lambda: experts(x, ids, weights))
+        transposed = kernels.broadcast_linear_max_rows and per_expert <= 64
+        assert not (ops & {"aten::silu", "aten::index_select", "aten::index_put_"}) == bool(transposed), (per_expert, ops)
+        dense = _dense_by_expert(experts, x, ids, weights)
+        got = experts(x, ids, weights)
+        loop = (experts.reference(x, ids, weights).double() - dense).abs().max()
+        assert (got.double() - dense).abs().max() <= 2 * loop + 1e-6 * dense.abs().max(), per_expert
+
+
 @pytest.mark.parametrize("held", [list(range(8)), [0, 1, 3, 6]])
 @pytest.mark.parametrize("gpt_oss", [False, True])
 def test_bfloat16_prefill_experts_run_transposed_without_amx(held, gpt_oss):

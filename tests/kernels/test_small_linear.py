@@ -243,15 +243,18 @@ def _gemm_calls(fn) -> int:
     return sum(e.name in ("aten::mm", "aten::addmm") for e in prof.events())
 
 
-# rows: 1-6 vectors of columns (panels of 3 + 1, 2 + 2, 3 + 3 at 16 lanes), tails of a vector, either side of 96;
-# n: whole tiles of W rows and a last row past them (37 = 4 x 9 + 1 = 9 x 4 + 1); k: 1,024 (the least taken), 1,000
-# (not taken), 2,050 (a K tail), 12,000 (x^T past 1 MB from 24 rows: not taken)
+# rows: 1-6 vectors of columns (panels of 3 + 1, 2 + 2, 3 + 3 at 16 lanes), tails of a vector, either side of 64 and
+# 96; n: whole tiles of W rows and a last row past them (37 = 4 x 9 + 1 = 9 x 4 + 1); k: 1,024 (the least taken to 96
+# rows), 1,000 (taken to 64 rows), 2,050 (a K tail), 12,000 (x^T past 1 MB from 24 rows: not taken), 256 (the built-in
+# model's hidden size: taken to 64), 128 (the least taken), 127 (not taken)
 @pytest.mark.parametrize("rows", [17, 24, 32, 33, 48, 64, 65, 80, 96, 97])
-@pytest.mark.parametrize("n, k", [(37, 1024), (200, 2050), (40, 1000), (20, 12000)])
-def test_float32_rows_of_a_prefill_expert_run_transposed_with_w_broadcast(rows, n, k):
-    """float32 linears of 17-96 rows with K >= 1,024 (a routed expert's in a prefill step) run transposed, y^T = W x^T
-    with W's values broadcast (broadcast_linear.cpp), not on the BLAS, while x^T fits in 1 MB, in an AVX-512 build;
-    other shapes (and every shape with AVX2, where it is built but slower than MKL) go to the BLAS. Either way within twice F.linear's own error against float64, bias added, x a strided view."""
+@pytest.mark.parametrize("n, k", [(37, 1024), (200, 2050), (40, 1000), (20, 12000), (384, 256), (37, 128), (30, 127)])
+def test_float32_rows_past_the_tiles_run_transposed_with_w_broadcast(rows, n, k):
+    """float32 linears of 17-96 rows with K >= 1,024 (a routed expert's in a prefill step), and of 17-64 rows with K of
+    128-1,023 (a small model's decode step, W from memory), run transposed, y^T = W x^T with W's values broadcast
+    (broadcast_linear.cpp), not on the BLAS, while x^T fits in 1 MB, in an AVX-512 build; other shapes (and every
+    shape with AVX2, where it is built but slower than MKL) go to the BLAS. Either way within twice F.linear's own
+    error against float64, bias added, x a strided view; where taken, the same bits as the kernel called directly."""
     kernels = native_ops()
     lanes = {"avx512": 16, "avx2": 8}.get(kernels.simd, 0)
     assert kernels.broadcast_linear_max_rows == (96 if lanes == 16 else 0)  # AVX2's 16 registers: built, slower than MKL
@@ -264,9 +267,13 @@ def test_float32_rows_of_a_prefill_expert_run_transposed_with_w_broadcast(rows, 
     assert got.is_contiguous()
     _close_to_exact(got, x, w, b)
     ld = -(-rows // lanes) * lanes if lanes else 0
-    takes = lanes == 16 and kernels.small_linear_max_rows < rows <= 96 and k >= 1024 and k * ld * 4 <= 1 << 20
+    most = 96 if k >= 1024 else 64 if k >= 128 else 0
+    takes = lanes == 16 and kernels.small_linear_max_rows < rows <= most and k * ld * 4 <= 1 << 20
+    assert kernels.broadcast_linear_takes(torch.float32, rows, k) == takes
     tiles = bool(lanes) and rows <= kernels.small_linear_max_rows  # AVX2's tiles take up to 32 float32 rows
     assert _gemm_calls(lambda: linear(x, w, b)) == (0 if takes or tiles else 1)
+    if takes:
+        assert torch.equal(got, kernels.broadcast_linear(x, w, b))
     _close_to_exact(kernels.broadcast_linear(x, w), x, w, None) if lanes else None
 
 
@@ -309,6 +316,7 @@ def test_bfloat16_rows_of_a_prefill_expert_run_transposed_without_amx(rows, n, k
     takes = (emulated and 16 < rows <= 96 and k >= 1024) or (pairs and pairs <= rows <= 96 and k >= 1024 and k % 2 == 0)
     assert kernels.broadcast_linear_takes(torch.bfloat16, rows, k) == bool(takes)  # what warm_up_linears asks
     assert not kernels.broadcast_linear_takes(torch.bfloat16, 48, 7168)  # x^T past 1 MB (V3's rows): oneDNN's, warmed
+    assert not kernels.broadcast_linear_takes(torch.bfloat16, 32, 256)  # K under 1,024: float32's only (bf16: 0.8-1.2x)
     if pairs:
         assert _gemm_calls(lambda: linear(x, w, b)) == (0 if takes else 1)
     if kernels.small_linear_widen_rows:  # bf16 emulated: the tiles up to it, the widened BLAS from it, but where taken

@@ -1,7 +1,8 @@
 // float32 linears of a few dozen rows, computed transposed: y^T [N, M] = W [N, K] . x^T [K, M], W's values broadcast
 // (and bfloat16 ones where the CPU emulates bf16: W widened a block at a time; and bf16 on vdpbf16ps, below).
 //
-// The routed experts of a prefill step get a few dozen rows each (V2-Lite at 512 tokens: ~48). There MKL's GEMM
+// The routed experts of a prefill step get a few dozen rows each (V2-Lite at 512 tokens: ~48), and so does every
+// linear of a small model's decode step at a few dozen sequences (the built-in model's K of 128-768). There MKL's GEMM
 // runs at half its peak on W [N, K] (the weight as nn.Linear keeps it): to multiply it as the B operand it packs and
 // transposes W on every call, and a few dozen rows cannot pay for that (x @ W^T at 48 rows: 86-93 GFLOP/s a thread,
 // the same product with W stored [K, N]: 148, the 2-thread peak 338). small_linear's register tiles read W in place
@@ -58,8 +59,14 @@ constexpr int64_t kBlock = 256;            // steps of k an accumulator sums bef
 // past 96 rows MKL's packing pays for itself (V2-Lite's shapes: 0.9-1.1x at 128). With AVX2's 16 registers (panels of
 // at most 3 x 4) it was 0.76-0.98x MKL at 48-96 rows (the same VM with MKL held to AVX2): built there, not taken.
 constexpr int64_t kMaxRows = afd_simd::kRegisters >= 32 ? 96 : 0;
-constexpr int64_t kMinK = 1024;            // shorter rows do not pay for x's transpose and y's (the built-in model's
-                                           // K = 256: 0.75-0.95x MKL)
+constexpr int64_t kMinK = 1024;            // bfloat16: shorter rows do not pay for x^T and y^T (on vdpbf16ps, K = 192-768,
+                                           // W from memory: 0.8-1.2x oneDNN at 17-96 rows)
+// float32 rows of K from kMinShortK up to kMinK, up to kMaxShortKRows. With W in cache MKL is ahead at these K (the
+// built-in model's K = 256: 0.75-0.95x MKL), but a decode step reads every W from memory, and MKL then packs W per call
+// as it first reads it: with W cycled over 64 MB (afd bench kernels, 2 threads, AMD EPYC) this ran 1.06-1.97x MKL at
+// 17-64 rows of K = 128-768 and 0.85-1.14x at 96; the built-in model's decode step at 32 and 64 sequences 1.25-1.5x.
+constexpr int64_t kMinShortK = 128;
+constexpr int64_t kMaxShortKRows = std::min<int64_t>(64, kMaxRows);
 constexpr int64_t kMinPairRows = 21;      // bf16 linears on vdpbf16ps (below): fewer rows keep oneDNN; 21 starts a
                                           // linear_rows_bucket (21-24), so a bucket is wholly ours or oneDNN's
 constexpr int64_t kMaxXtBytes = 1 << 20;   // x^T stays in L2 (half of a 2 MB one) while W streams past it
@@ -194,7 +201,8 @@ void product(const T* w, int64_t n_len, int64_t k_len, const X* xt, int64_t ld, 
 
 template <typename T, typename X>
 void gemm_t(const T* w, int64_t n_len, int64_t k_len, const X* xt, int64_t ld, float* yt) {
-  TORCH_CHECK(ld % kLanes == 0 && ld <= broadcast_gemm_max_cols(k_len), "broadcast_gemm_t: x^T [", k_len, ", ", ld, "]");
+  constexpr auto dtype = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
+  TORCH_CHECK(ld % kLanes == 0 && ld <= broadcast_gemm_max_cols(dtype, k_len), "broadcast_gemm_t: x^T [", k_len, ", ", ld, "]");
   product(w, n_len, k_len, xt, ld, ld, yt, ld, 1);
 }
 
@@ -206,8 +214,9 @@ constexpr bool kPairsBuilt = false;
 
 }  // namespace
 
-int64_t broadcast_gemm_max_cols(int64_t k_len) {
-  return k_len < kMinK ? 0 : std::min(kMaxRows, kMaxXtBytes / (k_len * int64_t{sizeof(float)}) / kLanes * kLanes);
+int64_t broadcast_gemm_max_cols(at::ScalarType dtype, int64_t k_len) {
+  const int64_t most = k_len >= kMinK ? kMaxRows : dtype == at::kFloat && k_len >= kMinShortK ? kMaxShortKRows : 0;
+  return most == 0 ? 0 : std::min(most, kMaxXtBytes / (k_len * int64_t{sizeof(float)}) / kLanes * kLanes);
 }
 
 void broadcast_gemm_t(const float* w, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* yt) {
@@ -235,15 +244,12 @@ bool broadcast_linear_takes(at::ScalarType dtype, int64_t rows, int64_t k_len) {
   // widened for the BLAS (from 64); on vdpbf16ps from 21 rows (17-20 were 0.90-1.14x oneDNN on V2-Lite's shapes, two
   // vectors of columns computed for them; 22 rows 1.00-1.17x, 24-64 rows 1.08-1.39x)
   const bool bf16 = dtype == at::kBFloat16 && (bf16_emulated() || (broadcast_gemm_pairs() && k_len % 2 == 0 && rows >= kMinPairRows));
-  return (dtype == at::kFloat || bf16) && rows > small_linear_max_rows() && rows <= kMaxRows && k_len >= kMinK &&
-         k_len * ld * int64_t{sizeof(float)} <= kMaxXtBytes;
+  return (dtype == at::kFloat || bf16) && rows > small_linear_max_rows() && ld <= broadcast_gemm_max_cols(dtype, k_len);
 }
 
 int64_t broadcast_linear_max_rows() { return kMaxRows; }
 
 int64_t broadcast_linear_min_pair_rows() { return broadcast_gemm_pairs() ? kMinPairRows : 0; }
-
-int64_t broadcast_linear_min_k() { return kMinK; }
 
 at::Tensor broadcast_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "broadcast_linear: x [M, K] and weight [N, K], got ",
@@ -284,9 +290,7 @@ int64_t broadcast_linear_max_rows() { return 0; }
 
 int64_t broadcast_linear_min_pair_rows() { return 0; }
 
-int64_t broadcast_linear_min_k() { return 0; }
-
-int64_t broadcast_gemm_max_cols(int64_t) { return 0; }
+int64_t broadcast_gemm_max_cols(at::ScalarType, int64_t) { return 0; }
 
 void broadcast_gemm_t(const float*, int64_t, int64_t, const float*, int64_t, float*) {
   TORCH_CHECK(false, "broadcast_gemm_t: built without AVX-512 or AVX2");

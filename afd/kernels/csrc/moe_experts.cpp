@@ -14,7 +14,8 @@
 //   The experts run side by side on the threads where their rows are spread (AMX: V2-Lite's 64 experts 1.13x at 48
 //   tokens, the built-in model's 8 1.3-2.8x; register tiles: one parallel region a call instead of two a GEMM, the
 //   built-in model's 32-token decode 1.08 -> 0.24 ms a layer).
-// * float32 experts past decode sizes whose H and I are at least 1,024 (AVX-512 builds), and bfloat16 ones where bf16
+// * float32 experts past decode sizes whose H and I are at least 128 (AVX-512 builds; up to 64 rows an expert where H
+//   or I is under 1,024, 96 from it), and bfloat16 ones (H and I from 1,024) where bf16
 //   is emulated (no bf16 dot products, no AMX-BF16): one C++ loop over scratch buffers, an expert's rows kept
 //   transposed from x^T to its weighted output (moe_experts_transposed.cpp). Taken first once an expert has more rows
 //   than small_linear's float32 tiles (16), though emulated bf16's tiles would take up to 63.

@@ -13,7 +13,8 @@
 //
 // and each column i of y^T, weighted, is added into its token's output row. The buffers are the call's own, reused by
 // every expert (~3 MB at V2-Lite's shapes: in the caches). An expert takes this where broadcast_linear would take its
-// rows (past small_linear's register tiles, up to 96, x^T within 1 MB: V3's 7,168-wide rows up to 32); the others run
+// rows (past small_linear's register tiles, up to 96, or 64 where H or I is under 1,024, x^T within 1 MB: V3's
+// 7,168-wide rows up to 32); the others run
 // the same loop row-major, their GEMMs on the register tiles (a few rows) or the BLAS (past 96, where MKL's packing
 // pays), as small_linear gives them.
 //
@@ -23,7 +24,7 @@
 // MKL's differ between 1 and 2 threads, as they do in the ATen loop). It is not the ATen loop's bit for bit (that one sums a token's slots in
 // slot order and takes ATen's silu): it agrees with GroupedExperts.reference to float32's rounding, as the decode
 // path does. Taken for float32 x and contiguous float32 experts where x^T of H and of I rows can hold a vector of
-// columns or more (broadcast_gemm_max_cols: H and I from 1,024 to 16,384, in AVX-512 builds); other float32 experts
+// columns or more (broadcast_gemm_max_cols: H and I from 128 to 16,384, in AVX-512 builds); other float32 experts
 // past decode sizes keep the ATen loop.
 //
 // bfloat16 without AMX-BF16 (whose tiles take bf16 experts themselves). Where bf16 is emulated (no bf16 dot products):
@@ -60,8 +61,8 @@ constexpr int64_t kLanes = 1;  // never taken: broadcast_gemm_max_cols is 0
 #endif
 constexpr int64_t kBlockCols = 64;  // a gather's / scatter's block of H: its x^T or y^T rows stay in L1 across the rows
 
-int64_t max_cols(int64_t hidden, int64_t inter) {
-  return std::min(broadcast_gemm_max_cols(hidden), broadcast_gemm_max_cols(inter));
+int64_t max_cols(at::ScalarType dtype, int64_t hidden, int64_t inter) {
+  return std::min(broadcast_gemm_max_cols(dtype, hidden), broadcast_gemm_max_cols(dtype, inter));
 }
 
 // two bfloat16 values in one 32-bit element, the first in the lower half (vdpbf16ps multiplies element halves pairwise)
@@ -90,7 +91,7 @@ bool experts_take_transposed(const at::Tensor& x, const at::Tensor& gate_up, con
   const bool even = x.dim() == 2 && down.dim() == 3 && x.size(1) % 2 == 0 && down.size(2) % 2 == 0;  // whole pairs of K
   return (dtype == at::kFloat || (dtype == at::kBFloat16 && (bf16_emulated() || (broadcast_gemm_pairs() && even)))) &&
          gate_up.scalar_type() == dtype && down.scalar_type() == dtype && gate_up.is_contiguous() && down.is_contiguous() &&
-         !math.gate_up_scales && x.dim() == 2 && down.dim() == 3 && max_cols(x.size(1), down.size(2)) > 0;
+         !math.gate_up_scales && x.dim() == 2 && down.dim() == 3 && max_cols(dtype, x.size(1), down.size(2)) > 0;
 }
 
 namespace {
@@ -102,7 +103,7 @@ at::Tensor experts_loop(const at::Tensor& x, const at::Tensor& weights, const at
                         const Grouped& grouped, int64_t k, const ExpertMath& math) {
   constexpr bool kFloat = std::is_same_v<T, float>;
   const int64_t hidden = x.size(1), inter = down.size(2), num_experts = gate_up.size(0);
-  const int64_t most_cols = max_cols(hidden, inter);
+  const int64_t most_cols = max_cols(x.scalar_type(), hidden, inter);
   const at::Tensor xc = x.contiguous(), w32 = weights.to(at::kFloat).contiguous();
   const T* xs = xc.data_ptr<T>();
   const float* ws = w32.data_ptr<float>();

@@ -67,7 +67,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // linear gives float32 rows past small_linear_max_rows and up to this to broadcast_linear, and bf16 ones where bf16 is
   // emulated (0: never)
   m.attr("broadcast_linear_max_rows") = pybind11::int_(broadcast_linear_max_rows());
-  m.attr("broadcast_linear_min_k") = pybind11::int_(broadcast_linear_min_k());  // and K at least this, x^T within 1 MB
   // bf16 rows from this many on vdpbf16ps (x^T as pairs of rows; 0: no bf16 dot products, or AMX-BF16's tiles instead)
   m.attr("broadcast_linear_min_pair_rows") = pybind11::int_(broadcast_linear_min_pair_rows());
   m.def("broadcast_linear_takes", &broadcast_linear_takes, "whether `linear` gives x [rows, K] of this dtype to broadcast_linear "

@@ -26,18 +26,19 @@ at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight, const c
 // broadcast_linear.cpp: float32 (or bfloat16, W widened a block at a time) y = x W^T + b computed transposed (y^T = W x^T,
 // W's values broadcast, W read once in place), for the few dozen rows an expert gets in a prefill step.
 at::Tensor broadcast_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
-// float32 rows past small_linear's up to broadcast_linear_max_rows(), K of at least 1024, x^T within 1 MB; bfloat16
-// the same where bf16 is emulated (no bf16 dot products, no AMX-BF16), W widened in L1 a block at a time, and on bf16
-// dot products without AMX-BF16 from broadcast_linear_min_pair_rows() (K even), x^T as pairs of rows
+// Rows past small_linear's whose x^T fits broadcast_gemm_max_cols(dtype, K): float32 up to broadcast_linear_max_rows()
+// with K of at least 1024, up to 64 with K of 128-1023; bfloat16 with K of at least 1024 where bf16 is emulated (no bf16
+// dot products, no AMX-BF16), W widened in L1 a block at a time, and on bf16 dot products without AMX-BF16 from
+// broadcast_linear_min_pair_rows() (K even), x^T as pairs of rows
 bool broadcast_linear_takes(at::ScalarType dtype, int64_t rows, int64_t k_len);
 int64_t broadcast_linear_max_rows();  // 96 (0: not built)
 int64_t broadcast_linear_min_pair_rows();  // bfloat16 on vdpbf16ps from this many rows (21; 0: not on this CPU's build)
-int64_t broadcast_linear_min_k();     // 1024
 // Its product on buffers, kept transposed: yt [N, ld] = weight [N, K] (float32, contiguous) . xt [K, ld], ld a multiple
-// of the vector width up to broadcast_gemm_max_cols(K) (0 where K is short or the kernel is not built; xt within 1 MB).
+// of the vector width up to broadcast_gemm_max_cols(W's dtype, K): 96 from K = 1024 (bfloat16: 0 below it), 64 for
+// float32 K of 128-1023, fewer where xt would pass 1 MB, 0 where the kernel is not built.
 void broadcast_gemm_t(const float* weight, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* yt);
 void broadcast_gemm_t(const c10::BFloat16* weight, int64_t n_len, int64_t k_len, const float* xt, int64_t ld, float* yt);  // W widened in L1
-int64_t broadcast_gemm_max_cols(int64_t k_len);
+int64_t broadcast_gemm_max_cols(at::ScalarType dtype, int64_t k_len);
 // bfloat16 W . x^T on bf16 dot products (vdpbf16ps), x^T held as pairs of its rows: [K/2, ld] 32-bit elements, element
 // (j, c) = (x^T[2j][c], x^T[2j+1][c]) as two bfloat16 values, the lower first; K even; the same columns as above
 bool broadcast_gemm_pairs();  // built for AVX512-BF16 (the build is this machine's), and no AMX-BF16 takes bf16 instead
