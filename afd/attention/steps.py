@@ -32,7 +32,8 @@ way: from the first step whose every vote has it installed (:attr:`StepPlan.plac
 (afd/microbatch/learn.py), once it has one; every member plans the step with the model of the first
 member (in member order) that voted one, else its configured model (the same on every rank), and the
 plan says which (:attr:`StepPlan.cost`): m, and each contributor's cut of its own batch, are computed
-from the same numbers on every rank.
+from the same numbers on every rank. A vote starts with its format (:data:`VOTE_FORMAT`): a member that
+reads another format (a rank of another build) fails naming the sender, instead of misreading it.
 
 **The epoch** is the membership the steps are agreed under: epoch 0 is every attention rank of the
 launch. A later change of membership is a new epoch with its own members, not a change to the step
@@ -68,6 +69,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from afd.config import PipelineConfig
+from afd.connectors.wire import ProtocolError
 from afd.microbatch import CostModel, MicrobatchPlan, choose_microbatches, plan_microbatches
 from afd.microbatch.learn import pack_costs, unpack_costs
 
@@ -147,13 +149,23 @@ def own_plan(spans: Spans, m: int, pipeline: PipelineConfig, cost: CostModel) ->
     return plan_microbatches(spans, m, pipeline.split, cost, min_tokens)
 
 
+#: a vote's layout, its first field (1: no such field; 2: the learned costs carry the local layers' MLP). Members of a
+#: run (one host or several) must read each other's votes: another format is refused with both named.
+VOTE_FORMAT = 2
+
+
 def encode_vote(spans: Spans, ffn_ready: int = -1, placement: int = 0, joiners: Sequence[tuple[int, int]] = (),
                 learned: CostModel | None = None) -> bytes:
-    return json.dumps([ffn_ready, placement, spans, joiners, pack_costs(learned)], separators=(",", ":")).encode()
+    return json.dumps([VOTE_FORMAT, ffn_ready, placement, spans, joiners, pack_costs(learned)], separators=(",", ":")).encode()
 
 
-def decode_vote(data: bytes) -> tuple[Spans, int, int, tuple[tuple[int, int], ...], CostModel | None]:
-    ffn_ready, placement, spans, joiners, learned = json.loads(data)
+def decode_vote(data: bytes, sender: int) -> tuple[Spans, int, int, tuple[tuple[int, int], ...], CostModel | None]:
+    fields = json.loads(data)
+    if len(fields) != 6 or fields[0] != VOTE_FORMAT:  # format 1: five fields, the first an int like ours
+        theirs = fields[0] if len(fields) == 6 else 1
+        raise ProtocolError(f"attention rank {sender} votes in step-vote format {theirs}, this rank reads {VOTE_FORMAT}: "
+                            "every attention rank of a run must run the same afd")
+    _, ffn_ready, placement, spans, joiners, learned = fields
     return (tuple((int(a), int(b)) for a, b in spans), int(ffn_ready), int(placement),
             tuple((int(r), int(i)) for r, i in joiners), unpack_costs(learned))
 
@@ -288,7 +300,7 @@ class StepPlane:
         raw = self._read_votes(s)
         if len(self._mine) >= 3:  # every member has read step s - 2's votes before it could vote for s - 1
             self.store.delete_key(self._mine.pop(0))
-        votes = [decode_vote(v) for v in raw]
+        votes = [decode_vote(v, r) for v, r in zip(raw, self.members)]
         plan = decide(self.epoch, s, self.members, [v[0] for v in votes], pipeline, num_layers, cost, [v[1] for v in votes],
                       [v[2] for v in votes], [v[3] for v in votes], [v[4] for v in votes], local_layers)
         self.step += 1

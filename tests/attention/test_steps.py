@@ -9,9 +9,11 @@ import json
 import threading
 import time
 
+import pytest
 import torch.distributed as dist
 
-from afd.attention.steps import DEAD_KEY, StepPlane
+from afd.attention.steps import DEAD_KEY, VOTE_FORMAT, StepPlane, decode_vote, encode_vote
+from afd.connectors.wire import ProtocolError
 from afd.config import PipelineConfig
 from afd.microbatch import CostModel
 
@@ -68,6 +70,20 @@ def test_members_plan_with_the_first_learned_cost_model_voted():
         assert plans[0].learned and plans[0].cost == voted and plans[0].num_microbatches == m, plans[0]
     plans = vote_all(planes, votes, pipeline=auto, learned=[None] * 3)
     assert len(set(plans)) == 1 and not plans[0].learned and plans[0].cost == CostModel()
+
+
+def test_a_vote_of_another_format_is_refused_naming_its_sender():
+    """Members must read each other's votes; one from another build (the format before the local layers' costs: five
+    fields, or a later one) is refused with the sender named, not misread or failed on with a TypeError."""
+    learned = CostModel(2e-6, 1e-10, 1e-6, 1e-4, 9e-4, 5e-5, ffn_curve=((8, 9e-4),), local_token=3e-4, local_call=2e-3)
+    vote = encode_vote(((0, 4),), 0b11, 1, ((2, 1),), learned)
+    assert decode_vote(vote, 1) == (((0, 4),), 0b11, 1, ((2, 1),), learned)
+    older = json.dumps([2, 1, [[0, 4]], [], None]).encode()  # format 1: ffn_ready first (here 2, like a format number)
+    with pytest.raises(ProtocolError, match="attention rank 3 votes in step-vote format 1, this rank reads 2"):
+        decode_vote(older, 3)
+    later = json.dumps([VOTE_FORMAT + 1, *json.loads(vote)[1:]]).encode()
+    with pytest.raises(ProtocolError, match=f"attention rank 0 votes in step-vote format {VOTE_FORMAT + 1}"):
+        decode_vote(later, 0)
 
 
 def test_a_member_marked_dead_leaves_in_a_new_epoch_and_the_others_go_on():
