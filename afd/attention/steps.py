@@ -33,7 +33,8 @@ way: from the first step whose every vote has it installed (:attr:`StepPlan.plac
 member (in member order) that voted one, else its configured model (the same on every rank), and the
 plan says which (:attr:`StepPlan.cost`): m, and each contributor's cut of its own batch, are computed
 from the same numbers on every rank. A vote starts with its format (:data:`VOTE_FORMAT`): a member that
-reads another format (a rank of another build) fails naming the sender, instead of misreading it.
+reads another format (a rank of another build) fails naming the sender, instead of misreading it (builds
+from before the format, which read no such field, fail on its length, naming no one).
 
 **The epoch** is the membership the steps are agreed under: epoch 0 is every attention rank of the
 launch. A later change of membership is a new epoch with its own members, not a change to the step
@@ -162,7 +163,7 @@ def encode_vote(spans: Spans, ffn_ready: int = -1, placement: int = 0, joiners: 
 def decode_vote(data: bytes, sender: int) -> tuple[Spans, int, int, tuple[tuple[int, int], ...], CostModel | None]:
     fields = json.loads(data)
     if len(fields) != 6 or fields[0] != VOTE_FORMAT:  # format 1: five fields, the first an int like ours
-        theirs = fields[0] if len(fields) == 6 else 1
+        theirs = 1 if len(fields) == 5 else fields[0]
         raise ProtocolError(f"attention rank {sender} votes in step-vote format {theirs}, this rank reads {VOTE_FORMAT}: "
                             "every attention rank of a run must run the same afd")
     _, ffn_ready, placement, spans, joiners, learned = fields

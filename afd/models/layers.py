@@ -31,7 +31,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     and, on bf16 dot products without AMX-BF16, bfloat16 rows from ``broadcast_linear_min_pair_rows`` on vdpbf16ps.
     Half-precision rows past those go to torch padded to ``kernels.linear_rows_bucket`` rows: oneDNN builds a kernel
     for every new shape, which costs more than the product at a serving step's ever-new row counts.
-    ``GroupedExperts.reference`` calls it as moe_experts.cpp does, so past decode sizes the two agree bit for bit."""
+    ``GroupedExperts.reference`` calls it as moe_experts.cpp's ATen loop does, so where that loop runs the two agree
+    bit for bit."""
     if x.device.type == "cpu" and x.dim() == 2:
         kernels = native_ops()
         rows = x.shape[0]

@@ -81,9 +81,10 @@ def test_a_vote_of_another_format_is_refused_naming_its_sender():
     older = json.dumps([2, 1, [[0, 4]], [], None]).encode()  # format 1: ffn_ready first (here 2, like a format number)
     with pytest.raises(ProtocolError, match="attention rank 3 votes in step-vote format 1, this rank reads 2"):
         decode_vote(older, 3)
-    later = json.dumps([VOTE_FORMAT + 1, *json.loads(vote)[1:]]).encode()
-    with pytest.raises(ProtocolError, match=f"attention rank 0 votes in step-vote format {VOTE_FORMAT + 1}"):
-        decode_vote(later, 0)
+    for extra in ([], [None]):  # a later format, of this layout or a longer one
+        later = json.dumps([VOTE_FORMAT + 1, *json.loads(vote)[1:], *extra]).encode()
+        with pytest.raises(ProtocolError, match=f"attention rank 0 votes in step-vote format {VOTE_FORMAT + 1}"):
+            decode_vote(later, 0)
 
 
 def test_a_member_marked_dead_leaves_in_a_new_epoch_and_the_others_go_on():

@@ -1,7 +1,7 @@
 """The native experts op against the Python loop it replaces and against a dense reference written here
 (every token through each of its experts, one at a time, in float64). Past decode sizes it runs the loop's
-own ATen ops (bit for bit equal), but for float32 experts of H and I >= 1024 in AVX-512 builds (one C++ loop,
-kept transposed); at decode sizes it runs the loop in C++ with float32 intermediates. The C++ loops are at
+own ATen ops (bit for bit equal), but for float32 experts of H and I >= 128 in AVX-512 builds (one C++ loop,
+kept transposed where an expert's rows fit x^T); at decode sizes it runs the loop in C++ with float32 intermediates. The C++ loops are at
 least as close to float64 as the Python loop is."""
 
 from __future__ import annotations
@@ -286,9 +286,10 @@ def test_float32_prefill_experts_run_transposed_with_no_aten_op_per_expert(held,
 
 
 def test_float32_experts_of_a_short_k_run_transposed_up_to_64_rows_an_expert():
-    """The built-in model's experts (H 256, I 192: K under 1,024) take the transposed loop at 17-64 rows an expert, as
-    broadcast_linear takes such rows (a decode step's experts, W from memory); past 64 rows the ATen loop's BLAS.
-    Either way within float32's rounding of float64, at least as close as the Python loop; bf16 keeps its loop."""
+    """The built-in model's experts (H 256, I 192: K under 1,024) take the C++ loop past 16 rows an expert: transposed
+    at 17-64 rows, as broadcast_linear takes such rows (a decode step's experts, W from memory), and row-major on the
+    BLAS past 64, with no ATen op of the Python loop's (gather, silu, scatter) either way. Within float32's rounding of
+    float64, at least as close as the Python loop."""
     kernels = native_ops()
     assert kernels is not None, "afd/kernels did not build here"
     experts = make_experts(list(range(8)), hidden=256, inter=192)
@@ -299,8 +300,9 @@ def test_float32_experts_of_a_short_k_run_transposed_up_to_64_rows_an_expert():
         ids = (torch.arange(2 * t) % 8).view(t, 2)
         weights = torch.rand(t, 2, generator=gen)
         ops = _aten_ops(lambda: experts(x, ids, weights))
-        transposed = kernels.broadcast_linear_max_rows and per_expert <= 64
-        assert not (ops & {"aten::silu", "aten::index_select", "aten::index_put_"}) == bool(transposed), (per_expert, ops)
+        if kernels.broadcast_linear_max_rows:  # AVX-512 builds: the C++ loop at every size here
+            assert not ops & {"aten::silu", "aten::index_select", "aten::index_put_"}, (per_expert, ops)
+            assert ("aten::mm" in ops) == (per_expert > 64), (per_expert, ops)  # the BLAS only past x^T's 64 columns
         dense = _dense_by_expert(experts, x, ids, weights)
         got = experts(x, ids, weights)
         loop = (experts.reference(x, ids, weights).double() - dense).abs().max()

@@ -60,11 +60,12 @@ constexpr int64_t kBlock = 256;            // steps of k an accumulator sums bef
 // at most 3 x 4) it was 0.76-0.98x MKL at 48-96 rows (the same VM with MKL held to AVX2): built there, not taken.
 constexpr int64_t kMaxRows = afd_simd::kRegisters >= 32 ? 96 : 0;
 constexpr int64_t kMinK = 1024;            // bfloat16: shorter rows do not pay for x^T and y^T (on vdpbf16ps, K = 192-768,
-                                           // W from memory: 0.8-1.2x oneDNN at 17-96 rows)
+                                           // W from memory: 0.78-1.63x oneDNN at 17-96 rows, no clear side)
 // float32 rows of K from kMinShortK up to kMinK, up to kMaxShortKRows. With W in cache MKL is ahead at these K (the
 // built-in model's K = 256: 0.75-0.95x MKL), but a decode step reads every W from memory, and MKL then packs W per call
 // as it first reads it: with W cycled over 64 MB (afd bench kernels, 2 threads, AMD EPYC) this ran 1.06-1.97x MKL at
-// 17-64 rows of K = 128-768 and 0.85-1.14x at 96; the built-in model's decode step at 32 and 64 sequences 1.25-1.5x.
+// 24-64 rows of K = 128-768 (17 rows: 0.95-1.78x) and 0.85-1.14x at 96; the built-in model's decode step at 32 and 64
+// sequences 1.2-1.7x.
 constexpr int64_t kMinShortK = 128;
 constexpr int64_t kMaxShortKRows = std::min<int64_t>(64, kMaxRows);
 constexpr int64_t kMinPairRows = 21;      // bf16 linears on vdpbf16ps (below): fewer rows keep oneDNN; 21 starts a
