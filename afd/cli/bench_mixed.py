@@ -76,11 +76,13 @@ def _tree_rss(pid: int) -> float:
     return total
 
 
-async def _model(client) -> str:
-    """The served model's name (sent in every request, as servers that require the field expect)."""
+async def _model(client) -> None:
+    """The served model's name (sent in every request, as servers that require the field expect) and its context
+    length, where the server says it (``max_model_len``, as afd and vLLM do), onto ``client``."""
     r = await client.get("/v1/models")
     r.raise_for_status()
-    return r.json()["data"][0]["id"]
+    model = r.json()["data"][0]
+    client.model, client.max_model_len = model["id"], model.get("max_model_len")
 
 
 async def _stream(client, prompt: list[int], max_tokens: int, first: list, tokens: list | None = None) -> None:
@@ -101,7 +103,8 @@ def _prompt(n: int, vocab: int, salt: int) -> list[int]:
     return [(17 * i + 101 * salt) % (vocab - 3) + 3 for i in range(n)]
 
 
-DECODE_TOKENS = 4000  # each decoding stream's max_tokens: longer than any scenario, within an 8k context
+DECODE_TOKENS = 4000  # each decoding stream's max_tokens: longer than any scenario, within an 8k context (or the model's)
+DECODE_PROMPT = 32  # each decoding stream's prompt tokens
 
 
 class _Decodes:
@@ -110,7 +113,8 @@ class _Decodes:
 
     def __init__(self, client, vocab: int, n: int, stamps: list | None = None) -> None:
         self.firsts = [[] for _ in range(n)]
-        self.tasks = [asyncio.create_task(_stream(client, _prompt(32, vocab, i), DECODE_TOKENS, self.firsts[i], stamps)) for i in range(n)]
+        limit = DECODE_TOKENS if client.max_model_len is None else min(DECODE_TOKENS, client.max_model_len - DECODE_PROMPT)
+        self.tasks = [asyncio.create_task(_stream(client, _prompt(DECODE_PROMPT, vocab, i), limit, self.firsts[i], stamps)) for i in range(n)]
 
     async def __aenter__(self) -> "_Decodes":
         while not all(self.firsts):
@@ -131,7 +135,7 @@ async def _ttft(url: str, vocab: int, length: int, beside: int) -> float:
     import httpx
 
     async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
-        client.model = await _model(client)
+        await _model(client)
         first: list = []
         async with _Decodes(client, vocab, beside):
             # a prompt of its own per scenario: the prefix cache must not serve one scenario's prompt to the next
@@ -143,7 +147,7 @@ async def _decode_rate(url: str, vocab: int, running: int, window: float) -> flo
     import httpx
 
     async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
-        client.model = await _model(client)
+        await _model(client)
         stamps: list = []
         async with _Decodes(client, vocab, running, stamps):
             t0 = time.perf_counter()

@@ -124,6 +124,21 @@ def test_bench_serve_measures_every_config_and_leaves_nothing(tmp_path):
     assert bad.returncode == 2 and "NAME=FLAGS" in bad.stderr
 
 
+def test_bench_mixed_measures_every_scenario_on_a_model_of_a_short_context(tmp_path):
+    """The built-in model's context is 1,024 tokens: the decoding streams ask for no more than it holds (they asked for
+    4,032 and the server refused every one), and every scenario yields its figure and the server's RSS."""
+    from afd.cli.common import BUILTIN_MODEL
+
+    out_json = tmp_path / "mixed.json"
+    afd("bench", "mixed", str(BUILTIN_MODEL), "--serve-flags", "--dtype float32", "--prompts", "900", "--decodes", "4",
+        "--window", "1", "--json", str(out_json))
+    data = json.loads(out_json.read_text())
+    assert list(data) == ["TTFT 900-token prompt alone", "TTFT 900-token prompt beside 4 decoding", "decode, 4 running"], data
+    assert data["TTFT 900-token prompt alone"]["ttft_s"] > 0 and data["TTFT 900-token prompt beside 4 decoding"]["ttft_s"] > 0
+    assert data["decode, 4 running"]["tokens_per_s"] > 0
+    assert all(r["peak_rss_mib"] > 0 for r in data.values())
+
+
 def test_devices_this_host_lacks_are_refused_before_anything_starts():
     no_cuda = {"CUDA_VISIBLE_DEVICES": ""}  # a CUDA host too looks like one without, for this test
     for argv, words in [
